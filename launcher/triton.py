@@ -1,0 +1,193 @@
+"""Start and stop a real ``tritonserver`` from the ``nvidia-pytriton`` wheel.
+
+The wheel ships Triton 2.51 (the NGC 24.10 binary) with the Python backend and one backend stub per
+Python version. We copy the tree once into ``.cache/tritonserver``, put the stub that matches this
+interpreter into ``backends/python/``, and point the stub at the same libpython as the venv (otherwise it
+fails with ``undefined symbol: _PyModule_Add``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_REPOSITORY = REPO_ROOT / "ensemble_repo"
+CACHE_DIR = Path(os.environ.get("CHAT_CACHE_DIR", REPO_ROOT / ".cache"))
+TRITON_HOME = CACHE_DIR / "tritonserver"
+
+log = logging.getLogger(__name__)
+
+
+def _wheel_tree() -> tuple[Path, Path]:
+    """The wheel's ``tritonserver`` folder and its bundled shared libraries."""
+    import pytriton
+
+    site = Path(pytriton.__file__).resolve().parents[1]
+    return site / "pytriton" / "tritonserver", site / "nvidia_pytriton.libs"
+
+
+def install_tritonserver() -> Path:
+    """Copy the wheel's server tree out once and add this Python's backend stub; idempotent."""
+    stamp = TRITON_HOME / ".python-stub"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if stamp.exists() and stamp.read_text() == version:
+        return TRITON_HOME
+    tree, _ = _wheel_tree()
+    stub = tree / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    shutil.rmtree(TRITON_HOME, ignore_errors=True)
+    shutil.copytree(tree, TRITON_HOME, symlinks=True)
+    shutil.copy2(stub, TRITON_HOME / "backends" / "python" / stub.name)
+    stamp.write_text(version)
+    return TRITON_HOME
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver and its Python stubs: same libpython, venv first, project importable."""
+    _, libs = _wheel_tree()
+    env = dict(os.environ)
+    ld_path = [sysconfig.get_config_var("LIBDIR"), str(libs)]
+    if env.get("LD_LIBRARY_PATH"):
+        ld_path.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(ld_path)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
+    return env
+
+
+def has_gpu() -> bool:
+    """True when ``nvidia-smi`` lists at least one GPU; Triton's KIND_GPU fails to load without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def from_env(cls) -> "Ports":
+        return cls(
+            int(os.environ.get("HTTP_PORT", 8000)),
+            int(os.environ.get("GRPC_PORT", 8001)),
+            int(os.environ.get("METRICS_PORT", 8002)),
+        )
+
+    @classmethod
+    def free(cls) -> "Ports":
+        return cls(free_port(), free_port(), free_port())
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process on ``ensemble_repo/`` in explicit model control mode.
+
+    Explicit mode with ``--load-model=*`` loads everything at start and lets operators reload one model
+    (for example ``preprocess`` with a new tokenizer) through the repository API without touching ``llm``.
+    """
+
+    ports: Ports = field(default_factory=Ports.from_env)
+    model_env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    model_config_name: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.http}"
+
+    def command(self) -> list[str]:
+        home = install_tritonserver()
+        config_name = self.model_config_name
+        if config_name is None:
+            config_name = "" if has_gpu() else "cpu"
+        cmd = [
+            str(home / "bin" / "tritonserver"),
+            f"--model-repository={MODEL_REPOSITORY}",
+            f"--backend-directory={home / 'backends'}",
+            f"--cache-directory={home / 'caches'}",
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            f"--http-port={self.ports.http}",
+            f"--grpc-port={self.ports.grpc}",
+            f"--metrics-port={self.ports.metrics}",
+            "--exit-timeout-secs=30",
+        ]
+        if config_name:
+            cmd.append(f"--model-config-name={config_name}")
+        return cmd + self.extra_args
+
+    def start(self) -> "TritonServer":
+        out = open(self.log_path, "wb") if self.log_path else None
+        self.process = subprocess.Popen(
+            self.command(), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Poll ``/v2/health/ready`` until it answers 200, the process dies, or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self.log_hint()}")
+            try:
+                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s; {self.log_hint()}")
+
+    def log_hint(self) -> str:
+        return f"see the server log at {self.log_path}" if self.log_path else "see the output above"
+
+    def log_tail(self, lines: int = 80) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 40.0) -> None:
+        """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group past the deadline."""
+        if not self.process or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

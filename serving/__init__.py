@@ -1,0 +1,1 @@
+"""Pieces shared by the three Python models: config parameters, client errors and tokenizer loading."""

@@ -1,0 +1,16 @@
+"""The one exception type that means "the client sent something wrong"."""
+
+
+class InvalidInput(ValueError):
+    """A client mistake; the message names the field, the value and the allowed range.
+
+    Models turn it into a per-request ``TritonError.INVALID_ARG`` so batch-mates are unaffected.
+    """
+
+
+def decode_utf8(field: str, raw: bytes) -> str:
+    """Strictly decode a ``TYPE_STRING`` element; invalid bytes are the client's error, not ours."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{field} is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None

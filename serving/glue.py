@@ -1,0 +1,43 @@
+"""Tensor <-> Python conversion shared by the ``model.py`` files. Importable only inside a Python stub."""
+
+from __future__ import annotations
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from serving.errors import InvalidInput
+
+
+def single(request: "pb_utils.InferenceRequest", name: str) -> np.ndarray | None:
+    """The one row of input ``name`` (None when an optional input is absent).
+
+    Each request carries one prompt; a client-side batch dimension other than 1 is refused clearly
+    instead of being half-served.
+    """
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    if array.shape[0] != 1:
+        raise InvalidInput(f"{name} has batch dimension {array.shape[0]}; send one prompt per request (1)")
+    return array[0]
+
+
+def scalar(request: "pb_utils.InferenceRequest", name: str):
+    """The single element of a ``dims: [ 1 ]`` input, as a Python value, or None when absent."""
+    row = single(request, name)
+    if row is None:
+        return None
+    if row.size != 1:
+        raise InvalidInput(f"{name} must hold exactly one value, got {row.size}")
+    return row.item()
+
+
+def error_response(error: Exception, code: int | None = None) -> "pb_utils.InferenceResponse":
+    """A per-request error: the rest of the batch is answered normally."""
+    code = pb_utils.TritonError.INVALID_ARG if code is None else code
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error), code))
+
+
+def response(**outputs: np.ndarray) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])

@@ -1,0 +1,29 @@
+"""Load a Hugging Face tokenizer from a local folder, and fingerprint its vocabulary.
+
+``preprocess`` and ``postprocess`` load their tokenizers independently (so either can be swapped). The
+fingerprint travels with every request from one to the other, so a pair that would decode ids with a
+different vocabulary than it encoded them fails loudly instead of returning garbage. A new chat template
+or system prompt keeps the vocabulary, and so the fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(tokenizer_dir: str) -> PreTrainedTokenizerBase:
+    path = Path(tokenizer_dir)
+    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        raise ValueError(f"parameter 'tokenizer_dir': {tokenizer_dir} holds no Hugging Face tokenizer")
+    # Local folders only, and no code from the folder is ever executed.
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Short hash of the id -> token mapping (added tokens included), independent of templates."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
