@@ -1,0 +1,62 @@
+"""A small tritonclient-based client for the ``ensemble`` model, over HTTP or gRPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+MODEL = "ensemble"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The ensemble's inputs; None leaves an optional input out so the server default applies."""
+
+    text_input: str
+    max_tokens: int | None = None
+    system_prompt: str | None = None
+    apply_chat_template: bool | None = None
+
+
+class ChatClient:
+    def __init__(self, url: str = "localhost:8000", protocol: str = "http", timeout: float = 600.0) -> None:
+        if protocol not in ("http", "grpc"):
+            raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
+        self.protocol = protocol
+        self.timeout = timeout
+        self.lib = httpclient if protocol == "http" else grpcclient
+        url = url.removeprefix("http://").removeprefix("grpc://")
+        if protocol == "http":
+            self.client = httpclient.InferenceServerClient(url, network_timeout=timeout, connection_timeout=timeout)
+        else:
+            self.client = grpcclient.InferenceServerClient(url)
+
+    def _input(self, name: str, value: np.ndarray, datatype: str):
+        tensor = self.lib.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        return tensor
+
+    def inputs(self, prompt: Prompt) -> list:
+        inputs = [self._input("text_input", np.array([[prompt.text_input.encode()]], dtype=np.object_), "BYTES")]
+        if prompt.max_tokens is not None:
+            inputs.append(self._input("max_tokens", np.array([[prompt.max_tokens]], dtype=np.int32), "INT32"))
+        if prompt.system_prompt is not None:
+            inputs.append(self._input("system_prompt", np.array([[prompt.system_prompt.encode()]], dtype=np.object_), "BYTES"))
+        if prompt.apply_chat_template is not None:
+            inputs.append(self._input("apply_chat_template", np.array([[prompt.apply_chat_template]], dtype=bool), "BOOL"))
+        return inputs
+
+    def generate(self, prompt: Prompt) -> str:
+        """The reply text; a server-side error raises ``tritonclient.utils.InferenceServerException``."""
+        outputs = [self.lib.InferRequestedOutput("text_output")]
+        if self.protocol == "http":
+            result = self.client.infer(MODEL, self.inputs(prompt), outputs=outputs)
+        else:
+            result = self.client.infer(MODEL, self.inputs(prompt), outputs=outputs, client_timeout=self.timeout)
+        return result.as_numpy("text_output")[0][0].decode("utf-8")
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,61 @@
+"""``python -m client.admin swap-tokenizer DIR``: swap the tokenizer live, without touching ``llm``.
+
+Triton runs in explicit model-control mode, so one model can be reloaded through the repository API
+(``POST /v2/repository/models/<name>/load`` with a config override). Triton loads the new ``preprocess``
+while the old one keeps serving, switches over, reloads the ``ensemble`` that depends on it, and leaves
+``llm`` alone. ``DIR`` is a path as the *server* sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import requests
+
+
+def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), timeout: float = 300) -> None:
+    """Reload each model in ``models`` with ``tokenizer_dir``; raises with Triton's message on failure.
+
+    A new chat template or a re-packaged tokenizer keeps the vocabulary, so ``preprocess`` alone is
+    enough. A tokenizer with another vocabulary must go to ``postprocess`` too (``models`` holding
+    both); requests caught between the two loads then fail with a clear fingerprint error.
+    """
+    base = url if url.startswith("http") else f"http://{url}"
+    for name in models:
+        config = requests.get(f"{base}/v2/models/{name}/config", timeout=30)
+        config.raise_for_status()
+        body = config.json()
+        body["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
+        load = requests.post(
+            f"{base}/v2/repository/models/{name}/load",
+            json={"parameters": {"config": json.dumps(body)}},
+            timeout=timeout,
+        )
+        if load.status_code != 200:
+            raise RuntimeError(f"loading {name} with tokenizer_dir={tokenizer_dir} failed: {load.text}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client.admin", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    swap = sub.add_parser("swap-tokenizer", help="load preprocess (and optionally postprocess) with a new tokenizer")
+    swap.add_argument("tokenizer_dir", help="tokenizer folder, as a path on the server")
+    swap.add_argument("--url", default="localhost:8000", help="Triton HTTP host:port")
+    swap.add_argument("--with-postprocess", action="store_true",
+                      help="also reload postprocess (needed when the vocabulary changes)")
+    args = parser.parse_args(argv)
+    models = ("preprocess", "postprocess") if args.with_postprocess else ("preprocess",)
+    try:
+        swap_tokenizer(args.url, args.tokenizer_dir, models)
+    except (RuntimeError, requests.RequestException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{', '.join(models)} now use {args.tokenizer_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

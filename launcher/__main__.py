@@ -1,0 +1,95 @@
+"""``python -m launcher {prepare,serve,run}``: the project's entry points (``make run`` / ``make serve``).
+
+``MODEL_DIR`` selects the model folder (any local Hugging Face causal LM with its tokenizer); unset, the
+default SmolLM2-135M-Instruct is prepared once under ``.cache/models/``. Ports come from ``HTTP_PORT``,
+``GRPC_PORT`` and ``METRICS_PORT`` (8000/8001/8002).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from launcher.model import prepare_default_model
+from launcher.triton import CACHE_DIR, TritonServer, has_gpu
+
+log = logging.getLogger("launcher")
+
+
+def model_dir() -> Path:
+    configured = os.environ.get("MODEL_DIR")
+    path = Path(configured).resolve() if configured else prepare_default_model()
+    if not (path / "config.json").exists():
+        raise SystemExit(f"MODEL_DIR={path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def start_server(log_path: Path | None) -> TritonServer:
+    path = model_dir()
+    log.info("model %s, %s", path, "GPU instances" if has_gpu() else "no GPU found: CPU instances (configs/cpu.pbtxt)")
+    server = TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path).start()
+    # Ctrl-C and SIGTERM both mean "drain and leave": Triton finishes in-flight requests, then exits.
+    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))
+    return server
+
+
+def serve() -> int:
+    server = start_server(log_path=None)
+    try:
+        return server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from client import ChatClient, Prompt
+
+    log_path = CACHE_DIR / "logs" / "tritonserver.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    server = start_server(log_path)
+    try:
+        log.info("starting tritonserver (log: %s)", log_path)
+        server.wait_ready()
+        client = ChatClient(f"127.0.0.1:{server.ports.http}")
+        print(f"> {args.prompt}\n{client.generate(Prompt(args.prompt, args.max_tokens))}", flush=True)
+        client.close()
+        if args.once:
+            return 0
+        log.info("serving on http :%d, grpc :%d, metrics :%d; Ctrl-C to stop",
+                 server.ports.http, server.ports.grpc, server.ports.metrics)
+        server.process.wait()
+        return server.process.returncode
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("prepare", help="prepare the default model folder and print its path")
+    sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
+    run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
+    run_parser.add_argument("--prompt", default="What is the capital of France?")
+    run_parser.add_argument("--max-tokens", type=int, dest="max_tokens", default=None)
+    run_parser.add_argument("--once", action="store_true", help="exit after the reply")
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        print(model_dir())
+        return 0
+    return serve() if args.command == "serve" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

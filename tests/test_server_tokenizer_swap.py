@@ -1,0 +1,116 @@
+"""Swap the tokenizer live through Triton's repository API: no failed request, llm untouched."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from client.admin import swap_tokenizer
+
+PIRATE = "You are a pirate captain. Answer every question like a pirate."
+
+
+def stub_pids(server, model: str) -> set[int]:
+    """PIDs of the Python stub processes that serve ``model`` for this server."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 5 and args[0].endswith(b"triton_python_backend_stub") \
+                and args[1].endswith(f"/{model}/1/model.py".encode()) and args[5] == str(server.process.pid).encode():
+            pids.add(int(proc.name))
+    return pids
+
+
+def loads(server, model: str) -> int:
+    return server.log_path.read_text(errors="replace").count(f"successfully loaded '{model}'")
+
+
+def preprocess_text(http_url: str, tokenizer, text: str) -> str:
+    reply = requests.post(f"{http_url}/v2/models/preprocess/generate", json={"text_input": text}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return tokenizer.decode(reply.json()["input_ids"])
+
+
+class Traffic:
+    """Closed-loop requests from a few threads, recording every non-200 answer."""
+
+    def __init__(self, generate, threads: int = 4) -> None:
+        self.generate, self.failures, self.done = generate, [], 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.loop) for _ in range(threads)]
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            reply = self.generate({"text_input": "Name a colour.", "max_tokens": 4})
+            if reply.status_code != 200:
+                self.failures.append(reply.text)
+            self.done += 1
+
+    def __enter__(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+@pytest.fixture
+def restore_tokenizer(http_url, model_dir):
+    yield
+    swap_tokenizer(http_url, str(model_dir), ("preprocess", "postprocess"))
+
+
+def test_new_chat_template_takes_over_under_traffic_without_reloading_llm(
+    server, http_url, generate, tokenizer, tokenizer_copy, restore_tokenizer
+):
+    pirate = tokenizer_copy("pirate")
+    template = pirate / "chat_template.jinja"
+    template.write_text(template.read_text().replace(
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face", PIRATE))
+    assert PIRATE not in preprocess_text(http_url, tokenizer, "Hi")
+    llm_pids, llm_loads = stub_pids(server, "llm"), loads(server, "llm")
+    assert llm_pids
+
+    with Traffic(generate) as traffic:
+        time.sleep(1)
+        swap_tokenizer(http_url, str(pirate))
+        served_at_swap = traffic.done
+        time.sleep(2)
+
+    assert traffic.failures == [] and traffic.done > served_at_swap > 0
+    assert PIRATE in preprocess_text(http_url, tokenizer, "Hi")
+    assert stub_pids(server, "llm") == llm_pids and loads(server, "llm") == llm_loads
+
+
+def test_tokenizer_with_another_vocabulary_gets_clear_errors(http_url, generate, tokenizer_copy, restore_tokenizer):
+    from transformers import AutoTokenizer
+
+    bigger = tokenizer_copy("bigger")
+    extended = AutoTokenizer.from_pretrained(bigger)
+    extended.add_tokens([f"<extra_{i}>" for i in range(8)])
+    extended.save_pretrained(bigger)
+
+    swap_tokenizer(http_url, str(bigger))  # preprocess only: postprocess still has the old vocabulary
+    reply = generate({"text_input": "Hi", "max_tokens": 4})
+    assert reply.status_code == 400 and "does not match postprocess's tokenizer" in reply.json()["error"]
+
+    swap_tokenizer(http_url, str(bigger), ("postprocess",))  # paired again, but beyond the llm's vocabulary
+    assert generate({"text_input": "Hi", "max_tokens": 4}).status_code == 200
+    reply = generate({"text_input": "Hi <extra_3>", "max_tokens": 4})
+    assert reply.status_code == 400 and "outside the model vocabulary [0, 49152)" in reply.json()["error"]
+
+
+def test_swapping_to_a_folder_without_a_tokenizer_keeps_the_old_one(http_url, generate, tmp_path):
+    with pytest.raises(RuntimeError, match="holds no Hugging Face tokenizer"):
+        swap_tokenizer(http_url, str(tmp_path))
+    assert generate({"text_input": "Hi", "max_tokens": 4}).status_code == 200
