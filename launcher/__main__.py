@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("prepare", help="prepare the default model folder and print its path")
+    sub.add_parser("prepare", help="prepare the default model folder (once) and print its path")
     sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
     run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
     run_parser.add_argument("--prompt", default="What is the capital of France?")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--once", action="store_true", help="exit after the reply")
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        print(model_dir())
+        print(prepare_default_model())
         return 0
     return serve() if args.command == "serve" else run(args)
 

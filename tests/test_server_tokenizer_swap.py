@@ -110,7 +110,7 @@ def test_tokenizer_with_another_vocabulary_gets_clear_errors(http_url, generate,
     assert reply.status_code == 400 and "outside the model vocabulary [0, 49152)" in reply.json()["error"]
 
 
-def test_swapping_to_a_folder_without_a_tokenizer_keeps_the_old_one(http_url, generate, tmp_path):
+def test_swapping_to_a_folder_without_a_tokenizer_keeps_the_old_one(http_url, generate, tmp_path, restore_tokenizer):
     with pytest.raises(RuntimeError, match="holds no Hugging Face tokenizer"):
         swap_tokenizer(http_url, str(tmp_path))
     assert generate({"text_input": "Hi", "max_tokens": 4}).status_code == 200

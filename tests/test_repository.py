@@ -1,0 +1,163 @@
+"""Static checks that the model configs, the client, the Dockerfile and compose.yaml agree."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from client import ChatClient, Prompt
+from launcher.triton import MODEL_REPOSITORY, REPO_ROOT
+
+SCHEMA = REPO_ROOT.parent / "shared" / "schemas" / "compose-spec.json"
+PORTS = {8000, 8001, 8002}
+
+
+def config(model: str, name: str = "config.pbtxt") -> model_config_pb2.ModelConfig:
+    path = MODEL_REPOSITORY / model / name
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (REPO_ROOT / "Dockerfile").read_text()
+
+
+# model configs
+
+
+def test_every_ensemble_step_maps_real_tensors_of_matching_type():
+    ensemble = config("ensemble")
+    produced = {t.name: t.data_type for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = config(step.model_name)
+        inputs = {t.name: t.data_type for t in model.input}
+        outputs = {t.name: t.data_type for t in model.output}
+        for key, value in step.input_map.items():
+            assert key in inputs and produced[value] == inputs[key], (step.model_name, key)
+        assert {t.name for t in model.input if not t.optional} <= set(step.input_map), step.model_name
+        for key, value in step.output_map.items():
+            assert key == value, "one name per tensor, everywhere"
+            produced[value] = outputs[key]
+        assert ensemble.max_batch_size <= model.max_batch_size
+    assert {t.name: t.data_type for t in ensemble.output}.items() <= produced.items()
+
+
+def test_llm_cpu_config_differs_from_the_gpu_one_only_in_instance_kind():
+    gpu, cpu = config("llm"), config("llm", "configs/cpu.pbtxt")
+    assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    assert [g.kind for g in cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
+    del gpu.instance_group[:], cpu.instance_group[:]
+    assert gpu == cpu
+
+
+def test_llm_merges_prompts_of_different_lengths():
+    llm = config("llm")
+    assert llm.HasField("dynamic_batching") and llm.max_batch_size > 1
+    assert next(t for t in llm.input if t.name == "input_ids").allow_ragged_batch
+
+
+def test_tokenizer_models_run_on_the_cpu():
+    for model in ("preprocess", "postprocess"):
+        assert [g.kind for g in config(model).instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
+
+
+def test_client_sends_exactly_the_ensemble_input_names():
+    names = {i.name() for i in ChatClient().inputs(Prompt("hi", 4, "sys", False))}
+    assert names == {t.name for t in config("ensemble").input}
+
+
+# Dockerfile and compose.yaml (no Docker engine here: check them against the repository)
+
+
+@pytest.fixture(scope="module")
+def compose_schema() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))  # the spec says draft-07
+
+
+def test_compose_matches_the_compose_specification(compose, compose_schema):
+    compose_schema.validate(compose)
+
+
+def test_the_schema_check_rejects_a_broken_compose_file(compose, compose_schema):
+    broken = copy.deepcopy(compose)
+    broken["services"]["triton"]["shm_size"] = ["2gb"]
+    with pytest.raises(jsonschema.ValidationError):
+        compose_schema.validate(broken)
+
+
+def test_compose_builds_this_dockerfile_and_mounts_existing_folders(compose):
+    service = compose["services"]["triton"]
+    assert (REPO_ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
+    for volume in service["volumes"]:
+        host = volume.split(":")[0]
+        assert (REPO_ROOT / host).is_dir(), volume
+
+
+def test_compose_publishes_tritons_ports_and_checks_readiness(compose, dockerfile):
+    service = compose["services"]["triton"]
+    published = {int(p.split(":")[-1]) for p in service["ports"]}
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()}
+    assert published == exposed == PORTS
+    assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
+
+
+def test_compose_reserves_gpus_and_enough_shared_memory(compose):
+    service = compose["services"]["triton"]
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    size = re.fullmatch(r"(\d+)([mg])b", service["shm_size"].lower())
+    assert int(size.group(1)) * (1024 if size.group(2) == "g" else 1) >= 1024
+
+
+def test_compose_default_model_is_the_one_baked_into_the_image(compose, dockerfile):
+    default = re.search(r"\$\{MODEL_DIR:-([^}]+)\}", compose["services"]["triton"]["environment"]["MODEL_DIR"]).group(1)
+    assert f"MODEL_DIR={default}" in dockerfile
+    assert "launcher prepare" in dockerfile
+
+
+def test_dockerfile_uses_triton_2_51_and_copies_what_exists(dockerfile):
+    assert re.search(r"^FROM nvcr\.io/nvidia/tritonserver:24\.10-py3$", dockerfile, re.M)
+    for sources in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+        for source in sources.split():
+            assert (REPO_ROOT / source).exists(), source
+    assert "--model-repository=/opt/chat/ensemble_repo" in dockerfile and "COPY ensemble_repo/ ensemble_repo/" in dockerfile
+
+
+def test_dockerfile_pins_the_same_torch_as_the_requirements(dockerfile):
+    pinned = re.search(r"^torch==(\S+)$", (REPO_ROOT / "requirements-models.txt").read_text(), re.M).group(1)
+    assert f"torch=={pinned}" in dockerfile
+
+
+def project_imports(path: Path) -> set[str]:
+    packages = {p.parent.name for p in REPO_ROOT.glob("*/__init__.py")}
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & packages
+
+
+def test_the_image_holds_every_package_the_models_import(dockerfile):
+    copied = set(re.findall(r"^COPY (\w+)/ \1/$", dockerfile, re.M))
+    needed, todo = set(), list(MODEL_REPOSITORY.glob("*/1/model.py"))
+    while todo:
+        for package in project_imports(todo.pop()) - needed:
+            needed.add(package)
+            todo += list((REPO_ROOT / package).glob("*.py"))
+    assert needed and needed <= copied, needed - copied
