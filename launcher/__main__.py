@@ -31,10 +31,10 @@ def model_dir() -> Path:
 def start_server(log_path: Path | None) -> TritonServer:
     path = model_dir()
     log.info("model %s, %s", path, "GPU instances" if has_gpu() else "no GPU found: CPU instances (configs/cpu.pbtxt)")
-    server = TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path).start()
-    # Ctrl-C and SIGTERM both mean "drain and leave": Triton finishes in-flight requests, then exits.
-    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))
-    return server
+    # Ctrl-C and SIGTERM both mean "drain and leave": either raises KeyboardInterrupt, the caller then
+    # stops Triton, which finishes in-flight requests (up to --exit-timeout-secs) before it exits.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    return TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path).start()
 
 
 def serve() -> int:

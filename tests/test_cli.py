@@ -1,0 +1,65 @@
+"""The README's commands: the launcher (make run / make serve) and the client CLI, as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from launcher.triton import REPO_ROOT, Ports
+
+
+def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def port_env(ports: Ports, model_dir) -> dict:
+    return {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc),
+            "METRICS_PORT": str(ports.metrics), "MODEL_DIR": str(model_dir)}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_client_cli_prints_the_reply(server, protocol):
+    port = server.ports.http if protocol == "http" else server.ports.grpc
+    result = run(["-m", "client", "Name a fruit.", "--url", f"127.0.0.1:{port}", "--protocol", protocol, "--max-tokens", "8"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_client_cli_reports_server_errors(server):
+    result = run(["-m", "client", "hi", "--url", f"127.0.0.1:{server.ports.http}", "--max-tokens", "0"])
+    assert result.returncode == 1 and "max_tokens must be in [1, 512], got 0" in result.stderr
+
+
+def test_launcher_run_once_answers_a_prompt_and_exits(model_dir):
+    result = run(["-m", "launcher", "run", "--once", "--prompt", "What is 2 + 2?", "--max-tokens", "8"],
+                 env=port_env(Ports.free(), model_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    prompt_line, reply = result.stdout.split("\n", 1)
+    assert prompt_line == "> What is 2 + 2?" and reply.strip()
+
+
+def test_launcher_serve_honours_the_port_variables_and_leaves_on_sigterm(model_dir):
+    ports = Ports.free()
+    serve = subprocess.Popen([sys.executable, "-m", "launcher", "serve"], cwd=REPO_ROOT, env=port_env(ports, model_dir),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"http://127.0.0.1:{ports.http}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        assert requests.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=10).status_code == 200
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://127.0.0.1:{ports.http}/v2/health/live", timeout=2)
+    finally:
+        serve.kill()
