@@ -29,16 +29,22 @@ def model_dir() -> Path:
 
 
 def start_server(log_path: Path | None) -> TritonServer:
-    path = model_dir()
-    log.info("model %s, %s", path, "GPU instances" if has_gpu() else "no GPU found: CPU instances (configs/cpu.pbtxt)")
+    path, gpu = model_dir(), has_gpu()
+    log.info("model %s, %s", path, "GPU instances" if gpu else "no GPU found: CPU instances (configs/cpu.pbtxt)")
     # Ctrl-C and SIGTERM both mean "drain and leave": either raises KeyboardInterrupt, the caller then
     # stops Triton, which finishes in-flight requests (up to --exit-timeout-secs) before it exits.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    return TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path).start()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
+    config_name = "" if gpu else "cpu"
+    return TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path, model_config_name=config_name).start()
 
 
 def serve() -> int:
-    server = start_server(log_path=None)
+    try:
+        server = start_server(log_path=None)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         return server.process.wait()
     except KeyboardInterrupt:
@@ -51,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     log_path = CACHE_DIR / "logs" / "tritonserver.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = start_server(log_path)
+    try:
+        server = start_server(log_path)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         log.info("starting tritonserver (log: %s)", log_path)
         server.wait_ready()

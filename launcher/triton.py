@@ -80,6 +80,16 @@ def has_gpu() -> bool:
     return out.returncode == 0 and "GPU" in out.stdout
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,6 +156,10 @@ class TritonServer:
         return cmd + self.extra_args
 
     def start(self) -> "TritonServer":
+        """Start the process; refuse ports already taken, so we never talk to someone else's server."""
+        for name, port in (("HTTP_PORT", self.ports.http), ("GRPC_PORT", self.ports.grpc), ("METRICS_PORT", self.ports.metrics)):
+            if not port_is_free(port):
+                raise RuntimeError(f"port {port} ({name}) is already in use; stop that server or set {name}")
         out = open(self.log_path, "wb") if self.log_path else None
         self.process = subprocess.Popen(
             self.command(), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,

@@ -44,6 +44,13 @@ def test_launcher_run_once_answers_a_prompt_and_exits(model_dir):
     assert prompt_line == "> What is 2 + 2?" and reply.strip()
 
 
+def test_launcher_refuses_a_port_already_in_use(server, model_dir):
+    ports = Ports.free()
+    ports.http = server.ports.http
+    result = run(["-m", "launcher", "run", "--once"], env=port_env(ports, model_dir))
+    assert result.returncode == 1 and f"port {server.ports.http} (HTTP_PORT) is already in use" in result.stderr
+
+
 def test_launcher_serve_honours_the_port_variables_and_leaves_on_sigterm(model_dir):
     ports = Ports.free()
     serve = subprocess.Popen([sys.executable, "-m", "launcher", "serve"], cwd=REPO_ROOT, env=port_env(ports, model_dir),
