@@ -18,6 +18,7 @@ COPY llm/ llm/
 COPY postprocess/ postprocess/
 COPY serving/ serving/
 COPY launcher/ launcher/
+COPY docker/entrypoint.sh /usr/local/bin/triton-chat-entrypoint
 
 # Bake the default model (SmolLM2-135M-Instruct, de-quantized once); MODEL_DIR points elsewhere to
 # serve a mounted folder instead.
@@ -31,6 +32,5 @@ RUN python3 -m launcher prepare
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
   CMD python3 -c "import urllib.request; urllib.request.urlopen('http://localhost:8000/v2/health/ready', timeout=4)"
-# Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
-CMD ["tritonserver", "--model-repository=/opt/chat/ensemble_repo", "--model-control-mode=explicit", \
-     "--load-model=*", "--exit-timeout-secs=30"]
+# tritonserver on ensemble_repo/, GPU config when a GPU is visible; extra arguments pass through.
+ENTRYPOINT ["triton-chat-entrypoint"]

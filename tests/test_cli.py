@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from launcher.triton import REPO_ROOT, Ports
+from launcher.triton import MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env
 
 
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -70,3 +70,26 @@ def test_launcher_serve_honours_the_port_variables_and_leaves_on_sigterm(model_d
             requests.get(f"http://127.0.0.1:{ports.http}/v2/health/live", timeout=2)
     finally:
         serve.kill()
+
+
+def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_path):
+    """The image's entrypoint, run here with the wheel's tritonserver (this machine has no GPU)."""
+    ports = Ports.free()
+    home = install_tritonserver()
+    env = server_env({"MODEL_DIR": str(model_dir), "MODEL_REPOSITORY": str(MODEL_REPOSITORY)})
+    env["PATH"] = f"{home / 'bin'}{os.pathsep}{env['PATH']}"
+    log = (tmp_path / "entrypoint.log").open("wb")
+    proc = subprocess.Popen(
+        [str(REPO_ROOT / "docker" / "entrypoint.sh"), f"--backend-directory={home / 'backends'}",
+         f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        server = TritonServer(ports=ports, log_path=tmp_path / "entrypoint.log", process=proc)
+        server.wait_ready(timeout=300)
+        reply = requests.post(f"{server.url}/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 4}, timeout=120)
+        assert reply.status_code == 200 and reply.json()["text_output"].strip()
+        assert "serving llm on the CPU" in (tmp_path / "entrypoint.log").read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)

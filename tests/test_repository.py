@@ -134,7 +134,11 @@ def test_dockerfile_uses_triton_2_51_and_copies_what_exists(dockerfile):
     for sources in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
         for source in sources.split():
             assert (REPO_ROOT / source).exists(), source
-    assert "--model-repository=/opt/chat/ensemble_repo" in dockerfile and "COPY ensemble_repo/ ensemble_repo/" in dockerfile
+    entrypoint = (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
+    assert "COPY ensemble_repo/ ensemble_repo/" in dockerfile and "WORKDIR /opt/chat" in dockerfile
+    assert "/opt/chat/ensemble_repo" in entrypoint and "--model-config-name=cpu" in entrypoint
+    assert re.search(r'^ENTRYPOINT \["triton-chat-entrypoint"\]$', dockerfile, re.M)
+    assert "COPY docker/entrypoint.sh /usr/local/bin/triton-chat-entrypoint" in dockerfile
 
 
 def test_dockerfile_pins_the_same_torch_as_the_requirements(dockerfile):
