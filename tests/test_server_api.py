@@ -126,3 +126,10 @@ def test_binary_tensor_infer_with_the_tritonclient(http_url):
     text.set_data_from_numpy(np.array([[QUESTION.encode()]], dtype=np.object_), binary_data=True)
     result = client.infer("ensemble", [text])
     assert result.as_numpy("text_output")[0][0].decode().strip()
+
+
+def test_ignore_eos_generates_exactly_max_tokens_and_counts_them(generate):
+    natural = generate({"text_input": "Say yes.", "max_tokens": 200}).json()
+    forced = generate({"text_input": "Say yes.", "max_tokens": 200, "ignore_eos": True}).json()
+    assert natural["completion_tokens"] < 200 and forced["completion_tokens"] == 200
+    assert forced["text_output"].startswith(natural["text_output"])

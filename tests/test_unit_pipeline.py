@@ -209,3 +209,14 @@ def test_invalid_requests_name_the_field_and_limit(generator, ids, max_tokens, m
 def test_bad_llm_config_fails_the_load(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLMConfig("m", **kwargs)
+
+
+def test_ignore_eos_generates_exactly_max_tokens(generator):
+    request = generator.validate(PROMPTS[0], 8)
+    first = generator.generate([request])[0]
+    generator.eos_ids = {first[1]}
+    try:
+        stopped, forced = generator.generate([request, generator.validate(PROMPTS[0], 8, ignore_eos=True)])
+        assert forced == first and stopped == first[: first.index(first[1])]
+    finally:
+        generator.eos_ids = set()

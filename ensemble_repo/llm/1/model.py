@@ -36,7 +36,8 @@ class TritonPythonModel:
                 ids = single(request, "input_ids")
                 if ids is None:
                     raise InvalidInput("input_ids is required")
-                valid.append((i, self.generator.validate(ids.tolist(), scalar(request, "max_tokens"))))
+                ignore_eos = bool(scalar(request, "ignore_eos"))
+                valid.append((i, self.generator.validate(ids.tolist(), scalar(request, "max_tokens"), ignore_eos)))
             except InvalidInput as e:
                 responses[i] = error_response(e)
         if valid:

@@ -31,4 +31,7 @@ class TritonPythonModel:
             text = self.detokenizer.decode(ids.tolist(), decode_utf8("tokenizer_fingerprint", fingerprint))
         except InvalidInput as e:
             return error_response(e)
-        return response(text_output=np.array([[text.encode("utf-8")]], dtype=np.object_))
+        return response(
+            text_output=np.array([[text.encode("utf-8")]], dtype=np.object_),
+            completion_tokens=np.array([[len(ids)]], dtype=np.int32),
+        )

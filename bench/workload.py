@@ -1,0 +1,37 @@
+"""Seeded prompt sets: a fixed-length one and a variable one."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+WORDS = (
+    "river mountain engine garden planet music window history ocean forest language market energy "
+    "bridge winter science city light memory journey animal island road story machine weather "
+    "village library storm harbor desert season signal"
+).split()
+
+
+@dataclass(frozen=True)
+class Item:
+    """One request: a chat prompt and its reply budget (EOS ignored, so exactly max_tokens tokens)."""
+
+    text_input: str
+    max_tokens: int
+    ignore_eos: bool = True
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    return "Write about " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def fixed(count: int, max_tokens: int, seed: int = 0, prompt_words: int = 24) -> list[Item]:
+    """Every request has the same prompt length and generates exactly ``max_tokens`` tokens."""
+    rng = random.Random(seed)
+    return [Item(_prompt(rng, prompt_words), max_tokens) for _ in range(count)]
+
+
+def variable(count: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[Item]:
+    """Prompt lengths (4 to 200 words) and reply budgets drawn uniformly from a seeded generator."""
+    rng = random.Random(seed)
+    return [Item(_prompt(rng, rng.randint(4, 200)), rng.randint(min_tokens, max_tokens)) for _ in range(count)]
