@@ -111,6 +111,7 @@ async def sweep_server(system: str, url: str, grpc_port: int | None, sets: dict,
             for name, items in sets.items():
                 for c in plan.concurrency:
                     await load.warm_up(send, items[:c])
+                    await asyncio.sleep(0.2)
                     before = load.server_stats(url)
                     run = await load.closed_loop(send, items[c:c + plan.requests(c)], c)
                     await asyncio.sleep(0.2)  # the ensemble's statistics land just after its reply

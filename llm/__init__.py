@@ -67,7 +67,7 @@ class Generator:
         self.config = config
         self.device = device
         self.model = model or AutoModelForCausalLM.from_pretrained(
-            config.model_dir, torch_dtype=resolve_dtype(config.dtype, device),
+            config.model_dir, dtype=resolve_dtype(config.dtype, device),
             local_files_only=True, trust_remote_code=False,
         )
         self.model.to(device).eval()
