@@ -78,6 +78,9 @@ class Generator:
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+        # The Generator owns stopping: left in the model's config, generate() would fill EOS back in
+        # whenever we pass none, and ignore_eos would stop at the end of turn anyway.
+        self.model.generation_config.eos_token_id = None
 
     def validate(self, input_ids: list[int], max_tokens: int | None, ignore_eos: bool = False) -> GenerationRequest:
         """One place for every per-request limit; raises ``InvalidInput`` naming field and range."""

@@ -71,8 +71,8 @@ def test_kserve_infer_with_json_tensors(http_url):
     ]}
     reply = requests.post(f"{http_url}/v2/models/ensemble/infer", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
-    (output,) = reply.json()["outputs"]
-    assert output["name"] == "text_output" and output["data"][0].strip()
+    outputs = {o["name"]: o["data"][0] for o in reply.json()["outputs"]}
+    assert outputs["text_output"].strip() and 1 <= outputs["completion_tokens"] <= 8
 
 
 def test_raw_prompt_and_system_prompt_change_the_reply(generate):
