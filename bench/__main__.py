@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import platform
@@ -27,6 +26,7 @@ import torch
 import tritonclient.grpc.aio as grpcaio
 
 from bench import load, perf_analyzer, report, roofline, workload
+from client.admin import reload_with_config
 from launcher.model import prepare_default_model
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
 from llm import Generator, LLMConfig
@@ -139,11 +139,10 @@ async def ensemble_overhead(url: str, ids: dict, items: list[workload.Item], cou
 
 
 def reload_llm_with_delay(url: str, delay_us: int) -> None:
-    config = requests.get(f"{url}/v2/models/llm/config", timeout=30).json()
-    config["dynamic_batching"]["max_queue_delay_microseconds"] = delay_us
-    reply = requests.post(f"{url}/v2/repository/models/llm/load",
-                          json={"parameters": {"config": json.dumps(config)}}, timeout=600)
-    reply.raise_for_status()
+    def set_delay(config: dict) -> None:
+        config["dynamic_batching"]["max_queue_delay_microseconds"] = delay_us
+
+    reload_with_config(url, "llm", set_delay, f"max_queue_delay_microseconds={delay_us}")
 
 
 async def delay_sweep(url: str, items: list[workload.Item], plan: Plan) -> list[dict]:

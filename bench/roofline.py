@@ -47,9 +47,7 @@ def bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 5) -> float
     """Bytes/s of a full read of a ``gib`` GiB buffer (a sum: one read, almost no writes)."""
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = _best(lambda: (x.sum(), sync()), repeats)
-    del x
-    return gib * 2**30 / seconds
+    return gib * 2**30 / _best(lambda: (x.sum(), sync()), repeats)
 
 
 def measure(model: torch.nn.Module, device: torch.device, quick: bool) -> Roofline:

@@ -12,7 +12,25 @@ import argparse
 import json
 import sys
 
+from typing import Callable
+
 import requests
+
+
+def reload_with_config(url: str, model: str, edit: Callable[[dict], None], change: str, timeout: float = 600) -> None:
+    """Load ``model`` again with its served config changed by ``edit`` (``change`` says how, for errors).
+
+    Raises with Triton's message when the load fails; Triton then keeps serving the old model.
+    """
+    base = url if url.startswith("http") else f"http://{url}"
+    config = requests.get(f"{base}/v2/models/{model}/config", timeout=30)
+    config.raise_for_status()
+    body = config.json()
+    edit(body)
+    load = requests.post(f"{base}/v2/repository/models/{model}/load",
+                         json={"parameters": {"config": json.dumps(body)}}, timeout=timeout)
+    if load.status_code != 200:
+        raise RuntimeError(f"loading {model} with {change} failed: {load.text}")
 
 
 def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), timeout: float = 300) -> None:
@@ -22,19 +40,11 @@ def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("pre
     enough. A tokenizer with another vocabulary must go to ``postprocess`` too (``models`` holding
     both); requests caught between the two loads then fail with a clear fingerprint error.
     """
-    base = url if url.startswith("http") else f"http://{url}"
+    def use_tokenizer(config: dict) -> None:
+        config["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
+
     for name in models:
-        config = requests.get(f"{base}/v2/models/{name}/config", timeout=30)
-        config.raise_for_status()
-        body = config.json()
-        body["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
-        load = requests.post(
-            f"{base}/v2/repository/models/{name}/load",
-            json={"parameters": {"config": json.dumps(body)}},
-            timeout=timeout,
-        )
-        if load.status_code != 200:
-            raise RuntimeError(f"loading {name} with tokenizer_dir={tokenizer_dir} failed: {load.text}")
+        reload_with_config(url, name, use_tokenizer, f"tokenizer_dir={tokenizer_dir}", timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
