@@ -1,14 +1,31 @@
-"""A small tritonclient-based client for the ``ensemble`` model, over HTTP or gRPC."""
+"""A small client for the chat pipeline over HTTP or gRPC: one reply, or a stream of text chunks.
+
+One response: KServe ``infer`` on ``ensemble_infer`` (Triton refuses ``infer`` on the decoupled
+``ensemble``). Streaming: ``generate_stream`` (server-sent events) over HTTP, the bidirectional stream
+over gRPC, both on ``ensemble`` with ``stream: true``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import queue
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 import numpy as np
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
-MODEL = "ensemble"
+STREAM_MODEL = "ensemble"
+INFER_MODEL = "ensemble_infer"
+OUTPUTS = ("text_output", "completion_tokens", "prompt_tokens", "finish_reason")
+DTYPES = {  # input -> (numpy dtype, Triton datatype)
+    "max_tokens": (np.int32, "INT32"), "top_k": (np.int32, "INT32"), "seed": (np.int64, "INT64"),
+    "temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "repetition_penalty": (np.float32, "FP32"),
+    "apply_chat_template": (bool, "BOOL"), "ignore_eos": (bool, "BOOL"),
+}
 
 
 @dataclass(frozen=True)
@@ -19,10 +36,30 @@ class Prompt:
     max_tokens: int | None = None
     system_prompt: str | None = None
     apply_chat_template: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
     ignore_eos: bool | None = None
 
+    def body(self) -> dict:
+        """The JSON body of ``generate`` / ``generate_stream``."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v != []}
 
-def build_inputs(lib, prompt: Prompt) -> list:
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response: the text it adds (the whole reply when not streaming) and the counts so far."""
+
+    text_output: str
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: str  # empty until the last chunk: stop or length
+
+
+def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
     """``InferInput`` tensors for ``prompt`` with ``lib`` = tritonclient.http or tritonclient.grpc."""
 
     def tensor(name: str, value: np.ndarray, datatype: str):
@@ -30,15 +67,28 @@ def build_inputs(lib, prompt: Prompt) -> list:
         t.set_data_from_numpy(value)
         return t
 
-    inputs = [tensor("text_input", np.array([[prompt.text_input.encode()]], dtype=np.object_), "BYTES")]
-    if prompt.max_tokens is not None:
-        inputs.append(tensor("max_tokens", np.array([[prompt.max_tokens]], dtype=np.int32), "INT32"))
+    def text(values: list[str]) -> np.ndarray:
+        return np.array([[v.encode() for v in values]], dtype=np.object_).reshape(1, len(values))
+
+    inputs = [tensor("text_input", text([prompt.text_input]), "BYTES")]
     if prompt.system_prompt is not None:
-        inputs.append(tensor("system_prompt", np.array([[prompt.system_prompt.encode()]], dtype=np.object_), "BYTES"))
-    for name in ("apply_chat_template", "ignore_eos"):
+        inputs.append(tensor("system_prompt", text([prompt.system_prompt]), "BYTES"))
+    if prompt.stop:
+        inputs.append(tensor("stop", text(prompt.stop), "BYTES"))
+    for name, (dtype, datatype) in DTYPES.items():
         if getattr(prompt, name) is not None:
-            inputs.append(tensor(name, np.array([[getattr(prompt, name)]], dtype=bool), "BOOL"))
+            inputs.append(tensor(name, np.array([[getattr(prompt, name)]], dtype=dtype), datatype))
+    if stream is not None:
+        inputs.append(tensor("stream", np.array([[stream]], dtype=bool), "BOOL"))
     return inputs
+
+
+def _chunk(result) -> Chunk:
+    value = lambda name: result.as_numpy(name)[0][0]  # noqa: E731
+    return Chunk(
+        value("text_output").decode("utf-8"), int(value("completion_tokens")), int(value("prompt_tokens")),
+        value("finish_reason").decode("utf-8"),
+    )
 
 
 class ChatClient:
@@ -47,21 +97,52 @@ class ChatClient:
             raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
         self.protocol = protocol
         self.timeout = timeout
-        self.lib = httpclient if protocol == "http" else grpcclient
-        url = url.removeprefix("http://").removeprefix("grpc://")
+        self.url = url.removeprefix("http://").removeprefix("grpc://")
         if protocol == "http":
-            self.client = httpclient.InferenceServerClient(url, network_timeout=timeout, connection_timeout=timeout)
+            self.lib = httpclient
+            self.client = httpclient.InferenceServerClient(self.url, network_timeout=timeout, connection_timeout=timeout)
         else:
-            self.client = grpcclient.InferenceServerClient(url)
+            self.lib = grpcclient
+            self.client = grpcclient.InferenceServerClient(self.url)
 
-    def generate(self, prompt: Prompt) -> str:
-        """The reply text; a server-side error raises ``tritonclient.utils.InferenceServerException``."""
-        outputs = [self.lib.InferRequestedOutput("text_output")]
-        if self.protocol == "http":
-            result = self.client.infer(MODEL, build_inputs(self.lib, prompt), outputs=outputs)
-        else:
-            result = self.client.infer(MODEL, build_inputs(self.lib, prompt), outputs=outputs, client_timeout=self.timeout)
-        return result.as_numpy("text_output")[0][0].decode("utf-8")
+    def generate(self, prompt: Prompt) -> Chunk:
+        """The whole reply; a server-side error raises ``tritonclient.utils.InferenceServerException``."""
+        outputs = [self.lib.InferRequestedOutput(name) for name in OUTPUTS]
+        timeout = {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
+        return _chunk(self.client.infer(INFER_MODEL, build_inputs(self.lib, prompt), outputs=outputs, **timeout))
+
+    def stream(self, prompt: Prompt) -> Iterator[Chunk]:
+        """Text chunks as tokens are generated, the last one with its finish_reason."""
+        return self._stream_http(prompt) if self.protocol == "http" else self._stream_grpc(prompt)
+
+    def _stream_http(self, prompt: Prompt) -> Iterator[Chunk]:
+        url = f"http://{self.url}/v2/models/{STREAM_MODEL}/generate_stream"
+        with requests.post(url, json={**prompt.body(), "stream": True}, stream=True, timeout=self.timeout) as reply:
+            if reply.status_code != 200:
+                raise InferenceServerException(reply.json().get("error", reply.text), status=str(reply.status_code))
+            for line in reply.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                data = json.loads(line[len(b"data: "):])
+                if "error" in data:
+                    raise InferenceServerException(data["error"])
+                yield Chunk(**{name: data[name] for name in OUTPUTS})
+
+    def _stream_grpc(self, prompt: Prompt) -> Iterator[Chunk]:
+        answers: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            self.client.async_stream_infer(STREAM_MODEL, build_inputs(self.lib, prompt, stream=True))
+            while True:
+                result, error = answers.get(timeout=self.timeout)
+                if error is not None:
+                    raise error
+                chunk = _chunk(result)
+                yield chunk
+                if chunk.finish_reason:
+                    return
+        finally:
+            self.client.stop_stream(cancel_requests=True)  # a consumer that stops early cancels generation
 
     def close(self) -> None:
         self.client.close()

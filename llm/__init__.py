@@ -1,16 +1,21 @@
-"""Batched greedy generation with any local Hugging Face causal LM."""
+"""Any local Hugging Face causal LM behind one validation point and an in-flight batching engine."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from llm.engine import Engine, GenerationRequest, Metrics
+from llm.sampling import SamplingParams
 from serving.errors import InvalidInput
+from serving.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SEED_LIMIT = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,10 @@ class LLMConfig:
     default_max_tokens: int = 64
     max_tokens_limit: int = 512
     max_context_tokens: int = 0  # prompt + reply; 0 means the model's max_position_embeddings
+    kv_cache_tokens: int = 16384  # KV budget in cache slots (rows x columns); see README for bytes
+    max_running_requests: int = 32  # rows decoded together at most
+    max_stop_count: int = 8
+    max_stop_bytes: int = 128  # each stop string, UTF-8
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -31,17 +40,11 @@ class LLMConfig:
                 f"parameter 'default_max_tokens' must be in [1, max_tokens_limit={self.max_tokens_limit}], "
                 f"got {self.default_max_tokens}"
             )
+        for name in ("kv_cache_tokens", "max_running_requests", "max_stop_count", "max_stop_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parameter '{name}' must be >= 1, got {getattr(self, name)}")
         if self.max_context_tokens < 0:
             raise ValueError(f"parameter 'max_context_tokens' must be >= 0, got {self.max_context_tokens}")
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request: ids within the vocabulary, a reply budget that fits the context."""
-
-    input_ids: list[int]
-    max_tokens: int
-    ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -60,10 +63,24 @@ def configure_threads(instance_count: int, device: torch.device) -> int:
     return threads
 
 
-class Generator:
-    """Runs one forward pass per decode step for a whole batch of prompts of different lengths."""
+def _in_range(name: str, value, low, high, default, *, low_open: bool = False):
+    """``value`` or ``default`` when absent; finite and in range, or an error naming field and range."""
+    if value is None:
+        return default
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput(f"{name} must be a finite number, got {value}")
+    if (value <= low if low_open else value < low) or value > high:
+        raise InvalidInput(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+    return value
 
-    def __init__(self, config: LLMConfig, device: torch.device, model: PreTrainedModel | None = None) -> None:
+
+class LLM:
+    """The weights, what a request may ask of them, and the engine that runs them."""
+
+    def __init__(
+        self, config: LLMConfig, device: torch.device,
+        model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
         self.config = config
         self.device = device
         self.model = model or AutoModelForCausalLM.from_pretrained(
@@ -71,6 +88,10 @@ class Generator:
             local_files_only=True, trust_remote_code=False,
         )
         self.model.to(device).eval()
+        # The model's own vocabulary turns ids into text for stop strings (postprocess checks that its
+        # tokenizer shares it).
+        self.tokenizer = tokenizer or load_tokenizer(config.model_dir)
+        self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         positions = getattr(self.model.config, "max_position_embeddings", None) or 2**31
         self.context_tokens = min(config.max_context_tokens or positions, positions)
@@ -78,16 +99,45 @@ class Generator:
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-        # The Generator owns stopping: left in the model's config, generate() would fill EOS back in
-        # whenever we pass none, and ignore_eos would stop at the end of turn anyway.
-        self.model.generation_config.eos_token_id = None
 
-    def validate(self, input_ids: list[int], max_tokens: int | None, ignore_eos: bool = False) -> GenerationRequest:
+    def engine(self, metrics: Metrics | None = None) -> Engine:
+        return Engine(
+            self.model, eos_ids=self.eos_ids, pad_id=self.pad_id, kv_cache_tokens=self.config.kv_cache_tokens,
+            max_batch_size=self.config.max_running_requests, decode=self.decode, metrics=metrics,
+        )
+
+    def decode(self, ids: list[int]) -> str:
+        return decode_text(self.tokenizer, ids)
+
+    def validate(
+        self,
+        input_ids: list[int],
+        max_tokens: int | None = None,
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        stop: list[bytes] | None = None,
+        ignore_eos: bool = False,
+        tokenizer_fingerprint: str | None = None,
+    ) -> GenerationRequest:
         """One place for every per-request limit; raises ``InvalidInput`` naming field and range."""
-        limit = self.config.max_tokens_limit
-        max_tokens = self.config.default_max_tokens if max_tokens is None else max_tokens
-        if not 1 <= max_tokens <= limit:
-            raise InvalidInput(f"max_tokens must be in [1, {limit}], got {max_tokens}")
+        c = self.config
+        if tokenizer_fingerprint is not None and tokenizer_fingerprint != self.fingerprint:
+            raise InvalidInput(
+                f"tokenizer_fingerprint {tokenizer_fingerprint!r} does not match the llm model's vocabulary "
+                f"({self.fingerprint!r}): preprocess's tokenizer must share the model's vocabulary"
+            )
+        max_tokens = _in_range("max_tokens", max_tokens, 1, c.max_tokens_limit, c.default_max_tokens)
+        sampling = SamplingParams(
+            temperature=float(_in_range("temperature", temperature, 0.0, 2.0, 0.0)),
+            top_p=float(_in_range("top_p", top_p, 0.0, 1.0, 1.0, low_open=True)),
+            top_k=int(_in_range("top_k", top_k, 0, self.vocab_size, 0)),
+            repetition_penalty=float(_in_range("repetition_penalty", repetition_penalty, 0.0, 2.0, 1.0, low_open=True)),
+            seed=_in_range("seed", seed, 0, SEED_LIMIT, None),
+        )
         if not input_ids:
             raise InvalidInput("input_ids must not be empty")
         bad = next((i for i in input_ids if not 0 <= i < self.vocab_size), None)
@@ -96,41 +146,30 @@ class Generator:
                 f"input_ids holds token id {bad}, outside the model vocabulary [0, {self.vocab_size}): "
                 "the tokenizer in preprocess does not match the llm model"
             )
-        if len(input_ids) + max_tokens > self.context_tokens:
+        room = min(self.context_tokens, c.kv_cache_tokens)
+        if len(input_ids) + max_tokens > room:
             raise InvalidInput(
-                f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the context of "
-                f"{self.context_tokens} tokens (shorten the prompt or lower max_tokens)"
+                f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the {room} tokens "
+                "one request may hold (the model context or kv_cache_tokens): shorten the prompt or lower max_tokens"
             )
-        return GenerationRequest(list(input_ids), max_tokens, ignore_eos)
+        return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), ignore_eos)
 
-    @torch.inference_mode()
-    def generate(self, batch: list[GenerationRequest]) -> list[list[int]]:
-        """Greedy replies (new ids only, EOS excluded), each cut at its own ``max_tokens``.
+    def _stop(self, stop: list[bytes]) -> tuple[str, ...]:
+        c = self.config
+        if len(stop) > c.max_stop_count:
+            raise InvalidInput(f"stop holds {len(stop)} strings; the limit is {c.max_stop_count} (max_stop_count)")
+        texts = []
+        for i, raw in enumerate(stop):
+            if len(raw) > c.max_stop_bytes:
+                raise InvalidInput(f"stop[{i}] is {len(raw)} bytes; the limit is {c.max_stop_bytes} (max_stop_bytes)")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidInput(f"stop[{i}] is not valid UTF-8") from None
+            if not text:
+                raise InvalidInput(f"stop[{i}] must not be empty")
+            texts.append(text)
+        return tuple(texts)
 
-        Prompts are left-padded with an attention mask so every row's last prompt token sits in the
-        same column and one forward pass per step serves the whole batch. When a row ignores EOS the
-        batch runs without it, and the other rows are cut at their first EOS afterwards.
-        """
-        width = max(len(r.input_ids) for r in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, r in enumerate(batch):
-            ids[row, width - len(r.input_ids):] = torch.tensor(r.input_ids)
-            mask[row, width - len(r.input_ids):] = 1
-        config = GenerationConfig(
-            max_new_tokens=max(r.max_tokens for r in batch), do_sample=False,
-            eos_token_id=None if any(r.ignore_eos for r in batch) else sorted(self.eos_ids) or None,
-            pad_token_id=self.pad_id,
-        )
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config
-        )
-        replies = []
-        for row, r in enumerate(batch):
-            reply = []
-            for token in out[row, width: width + r.max_tokens].tolist():
-                if token in self.eos_ids and not r.ignore_eos:
-                    break
-                reply.append(token)
-            replies.append(reply)
-        return replies
+
+__all__ = ["LLM", "LLMConfig", "GenerationRequest", "SamplingParams", "configure_threads", "resolve_dtype"]

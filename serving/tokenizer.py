@@ -27,3 +27,12 @@ def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """Short hash of the id -> token mapping (added tokens included), independent of templates."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """Text of generated ids, decoded the same way wherever it is needed (llm's stop strings, postprocess).
+
+    Special tokens are dropped. Spaces stay as generated: cleaning them up (" ," -> ",") would rewrite
+    earlier text when a later token arrives, so streamed chunks would no longer add up to the reply.
+    """
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -1,15 +1,32 @@
-"""Triton glue for ``llm``: one ``llm.Generator`` per instance; each batch is validated, then generated."""
+"""Triton glue for ``llm`` (decoupled): ``execute`` validates and hands requests to the engine thread."""
 
+import itertools
 import json
+import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from llm import Generator, LLMConfig, configure_threads
-from serving.errors import InvalidInput
+from llm import LLM, LLMConfig, configure_threads
+from llm.engine import Sequence
+from llm.service import EngineLoop
+from serving import cancel
+from serving.errors import InvalidInput, decode_utf8
 from serving.glue import error_response, response, scalar, single
+from serving.metrics import TritonMetrics
 from serving.params import read_parameters
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
+
+
+class Handle(NamedTuple):
+    """What the engine carries for Triton: where answers go, and the name cancellation uses."""
+
+    sender: "pb_utils.InferenceResponseSender"
+    generation_id: str
 
 
 class TritonPythonModel:
@@ -22,36 +39,63 @@ class TritonPythonModel:
             torch.cuda.set_device(device)
         instances = sum(group.get("count", 1) for group in model_config["instance_group"])
         threads = configure_threads(instances, device)
-        self.generator = Generator(config, device)
+        self.llm = LLM(config, device)
+        self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
+        self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
+        engine = self.llm.engine(TritonMetrics(args["model_name"], args["model_version"]))
+        self.loop = EngineLoop(engine, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
         pb_utils.Logger.log_info(
-            f"llm: {config.model_dir} on {device} as {self.generator.model.dtype}, {threads} threads, "
-            f"vocabulary {self.generator.vocab_size}, context {self.generator.context_tokens} tokens"
+            f"llm: {config.model_dir} on {device} as {self.llm.model.dtype}, {threads} threads, "
+            f"vocabulary {self.llm.vocab_size}, context {self.llm.context_tokens} tokens, "
+            f"KV budget {config.kv_cache_tokens} tokens, up to {config.max_running_requests} running requests"
         )
 
-    def execute(self, requests: list) -> list:
-        responses = [None] * len(requests)
-        valid = []
-        for i, request in enumerate(requests):
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
             try:
-                ids = single(request, "input_ids")
-                if ids is None:
-                    raise InvalidInput("input_ids is required")
-                ignore_eos = bool(scalar(request, "ignore_eos"))
-                valid.append((i, self.generator.validate(ids.tolist(), scalar(request, "max_tokens"), ignore_eos)))
+                handle = Handle(sender, next(self.ids))
+                seq = Sequence(self._validate(request), handle=handle, stream=bool(scalar(request, "stream")))
             except InvalidInput as e:
-                responses[i] = error_response(e)
-        if valid:
-            pb_utils.Logger.log_verbose(
-                f"llm: batch of {len(valid)}, prompt lengths {[len(g.input_ids) for _, g in valid]}"
+                sender.send(error_response(e), flags=FINAL)
+                continue
+            self.loop.submit(seq)
+        return None
+
+    def _validate(self, request):
+        ids = single(request, "input_ids")
+        if ids is None:
+            raise InvalidInput("input_ids is required")
+        stop = single(request, "stop")
+        fingerprint = scalar(request, "tokenizer_fingerprint")
+        return self.llm.validate(
+            ids.tolist(), scalar(request, "max_tokens"),
+            **{name: scalar(request, name) for name in SAMPLING},
+            stop=None if stop is None else list(stop), ignore_eos=bool(scalar(request, "ignore_eos")),
+            tokenizer_fingerprint=None if fingerprint is None else decode_utf8("tokenizer_fingerprint", fingerprint),
+        )
+
+    def _is_cancelled(self, seq: Sequence) -> bool:
+        return seq.handle.sender.is_cancelled() or cancel.take(seq.handle.generation_id)
+
+    def _respond(self, seq: Sequence) -> None:
+        """The engine thread's answer: every id so far (postprocess decodes the new part), or an error."""
+        flags = FINAL if seq.finished else 0
+        if seq.finish_reason == "error":
+            reply = error_response(seq.error, pb_utils.TritonError.INTERNAL)
+        elif seq.finish_reason == "cancelled":
+            reply = error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+        else:
+            reply = response(
+                output_ids=np.array([seq.output_ids], dtype=np.int32),
+                sent_tokens=np.array([[seq.sent_tokens]], dtype=np.int32),
+                prompt_tokens=np.array([[len(seq.request.input_ids)]], dtype=np.int32),
+                finish_reason=np.array([[(seq.finish_reason or "").encode()]], dtype=np.object_),
+                tokenizer_fingerprint=self.fingerprint,
+                stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
+                generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
             )
-            try:
-                replies = self.generator.generate([g for _, g in valid])
-            except RuntimeError as e:  # torch reports OOM and device errors this way; answer, don't crash
-                pb_utils.Logger.log_error(f"llm: generation failed for a batch of {len(valid)}: {e}")
-                replies = [e] * len(valid)
-            for (i, _), reply in zip(valid, replies):
-                if isinstance(reply, Exception):
-                    responses[i] = error_response(reply, pb_utils.TritonError.INTERNAL)
-                else:
-                    responses[i] = response(output_ids=np.array([reply], dtype=np.int32))
-        return responses
+        seq.handle.sender.send(reply, flags=flags)
+
+    def finalize(self) -> None:
+        self.loop.stop()

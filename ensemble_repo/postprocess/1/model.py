@@ -1,11 +1,12 @@
-"""Triton glue for ``postprocess``: generated ids in, ``postprocess.Detokenizer`` does the work, text out."""
+"""Triton glue for ``postprocess``: one llm response in, ``postprocess.Detokenizer`` does the work, text out."""
 
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from postprocess import Detokenizer, PostprocessConfig
+from postprocess import Chunk, Detokenizer, PostprocessConfig
+from serving import cancel
 from serving.errors import InvalidInput, decode_utf8
 from serving.glue import error_response, response, scalar, single
 from serving.params import read_parameters
@@ -23,15 +24,28 @@ class TritonPythonModel:
         return [self._respond(request) for request in requests]
 
     def _respond(self, request) -> "pb_utils.InferenceResponse":
+        if request.is_cancelled():
+            generation_id = scalar(request, "generation_id")
+            if generation_id is not None:
+                cancel.mark(generation_id.decode("utf-8", "replace"))
+            return error_response("request cancelled", pb_utils.TritonError.CANCELLED)
         try:
             ids = single(request, "output_ids")
             fingerprint = scalar(request, "tokenizer_fingerprint")
             if ids is None or fingerprint is None:
                 raise InvalidInput("output_ids and tokenizer_fingerprint are required")
-            text = self.detokenizer.decode(ids.tolist(), decode_utf8("tokenizer_fingerprint", fingerprint))
+            self.detokenizer.check(decode_utf8("tokenizer_fingerprint", fingerprint))
+            finish_reason = scalar(request, "finish_reason") or b""
+            stop = single(request, "stop")
+            text = self.detokenizer.text(Chunk(
+                ids.tolist(), scalar(request, "sent_tokens") or 0, finished=bool(finish_reason),
+                stop=() if stop is None else tuple(decode_utf8("stop", s) for s in stop),
+            ))
         except InvalidInput as e:
             return error_response(e)
         return response(
             text_output=np.array([[text.encode("utf-8")]], dtype=np.object_),
             completion_tokens=np.array([[len(ids)]], dtype=np.int32),
+            prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
+            finish_reason=np.array([[finish_reason]], dtype=np.object_),
         )

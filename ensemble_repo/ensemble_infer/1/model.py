@@ -1,0 +1,47 @@
+"""Triton glue for ``ensemble_infer``: the KServe ``infer`` path (HTTP and gRPC unary) to ``ensemble``.
+
+Triton refuses ``infer`` on decoupled models, and ``ensemble`` is decoupled because ``llm`` streams. This
+model is not decoupled: each request becomes one non-streaming BLS call to ``ensemble`` on a worker
+thread, and its one response goes back through the response sender, so ``execute`` returns at once and
+requests still join llm's running batch individually.
+"""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        self.inputs = [i["name"] for i in config["input"]]
+        self.outputs = [o["name"] for o in config["output"]]
+        self.workers = ThreadPoolExecutor(max_workers=int(config["parameters"]["max_in_flight"]["string_value"]))
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            # Copies: a request's own tensors are released when execute returns.
+            tensors = (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs)
+            inputs = [pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in tensors if t is not None]
+            self.workers.submit(self._answer, request.get_response_sender(), inputs)
+        return None
+
+    def _answer(self, sender, inputs: list) -> None:
+        call = pb_utils.InferenceRequest(model_name="ensemble", requested_output_names=self.outputs, inputs=inputs)
+        reply = None
+        for response in call.exec(decoupled=True):
+            if response.has_error():
+                reply = pb_utils.InferenceResponse(output_tensors=[], error=response.error())
+            elif response.output_tensors():
+                reply = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
+        if reply is None:
+            reply = pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError("ensemble returned no response", pb_utils.TritonError.INTERNAL)
+            )
+        sender.send(reply, flags=FINAL)
+
+    def finalize(self) -> None:
+        self.workers.shutdown(wait=True)
