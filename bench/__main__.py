@@ -1,9 +1,10 @@
 """``python -m bench [--quick]``: every system, every workload and concurrency, in one run.
 
-Systems: ``in_process`` (the llm package's batched ``generate`` at batch = concurrency, no server),
-``roofline`` (this machine's measured physical limit), ``naive`` (Triton, the same ``llm`` with dynamic
-batching off: one request at a time), and ``ensemble_http`` / ``ensemble_grpc`` (the shipped pipeline).
-Writes ``results.json``, ``results.md`` and PNG plots to ``--out``.
+Systems: ``in_process`` (Hugging Face ``generate`` on batches of size = concurrency, no server: the
+practical limit of static batching), ``roofline`` (this machine's measured physical limit), ``static``
+(Triton with the static dynamic-batching ``llm`` that the in-flight engine replaced, streaming nothing),
+and the shipped pipeline: ``ensemble_http`` (``generate_stream``, streamed) and ``ensemble_grpc``
+(KServe infer on ``ensemble_infer``). Writes ``results.json``, ``results.md`` and PNG plots to ``--out``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
-import requests
 import torch
 import tritonclient.grpc.aio as grpcaio
 
 from bench import load, perf_analyzer, report, roofline, workload
-from client.admin import reload_with_config
 from launcher.model import prepare_default_model
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
-from llm import Generator, LLMConfig
+from bench.static_llm import StaticGenerator
+from llm import LLM, LLMConfig
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
 log = logging.getLogger("bench")
@@ -40,8 +40,6 @@ class Plan:
     concurrency: tuple[int, ...]
     fixed_tokens: int
     variable_tokens: tuple[int, int]
-    delays_us: tuple[int, ...]
-    sweep_concurrency: int
     perf_analyzer: bool
     rounds: int  # measured requests per point = max(8, rounds x concurrency), after one warm-up round
 
@@ -49,8 +47,8 @@ class Plan:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 8), 16, (4, 32), (0, 5000), 8, False, 1)
-FULL = Plan((1, 2, 4, 8, 16, 32), 64, (8, 128), (0, 1000, 5000, 20000), 16, True, 2)
+QUICK = Plan((1, 4), 16, (4, 32), False, 1)
+FULL = Plan((1, 4, 16), 64, (8, 128), True, 2)
 
 
 def machine() -> dict:
@@ -78,20 +76,22 @@ def point(system: str, name: str, concurrency: int, measured: dict, **extra) -> 
     return {"system": system, "workload": name, "concurrency": concurrency, **measured, **extra}
 
 
-def in_process(generator: Generator, ids: dict[str, list[int]], sets: dict, plan: Plan) -> list[dict]:
+def in_process(generator: StaticGenerator, ids: dict[str, list[int]], sets: dict, plan: Plan) -> list[dict]:
     """The practical limit: the same engine and prompts, batches of ``concurrency``, no server."""
     points = []
     for name, items in sets.items():
         for c in plan.concurrency:
             chosen = items[c:c + plan.requests(c)]
-            generator.generate([generator.validate(ids[i.text_input], i.max_tokens, True) for i in items[:c]])
+            validate = generator.llm.validate
+            generator.generate([validate(ids[i.text_input], i.max_tokens, ignore_eos=True) for i in items[:c]])
             run = load.Run()
             cpu, wall = time.process_time(), time.perf_counter()
             for start in range(0, len(chosen), c):
-                batch = [generator.validate(ids[i.text_input], i.max_tokens, True) for i in chosen[start:start + c]]
+                batch = [validate(ids[i.text_input], i.max_tokens, ignore_eos=True) for i in chosen[start:start + c]]
                 begin = time.perf_counter()
                 replies = generator.generate(batch)
                 run.latencies += [time.perf_counter() - begin] * len(batch)
+                run.ttfts += [time.perf_counter() - begin] * len(batch)
                 run.tokens += [len(r) for r in replies]
             run.seconds, run.client_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
             points.append(point("in_process", name, c, load.summary(run)))
@@ -103,7 +103,7 @@ async def sweep_server(system: str, url: str, grpc_port: int | None, sets: dict,
     points = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        protocols = {"http": load.http_generate(session, url)}
+        protocols = {"http": load.http_stream(session, url)}
         grpc = grpcaio.InferenceServerClient(f"127.0.0.1:{grpc_port}") if grpc_port else None
         if grpc:
             protocols["grpc"] = load.grpc_infer(grpc)
@@ -129,7 +129,7 @@ async def ensemble_overhead(url: str, ids: dict, items: list[workload.Item], cou
     async with aiohttp.ClientSession() as session:
         out = {}
         for model in ("llm", "ensemble"):
-            send = load.http_infer_ids(session, url, model, ids)
+            send = load.http_generate_ids(session, url, model, ids)
             await load.warm_up(send, items[:1])
             run = await load.closed_loop(send, items[1:count + 1], 1)
             out[model] = load.summary(run)["p50_ms"]
@@ -138,41 +138,18 @@ async def ensemble_overhead(url: str, ids: dict, items: list[workload.Item], cou
             "overhead_pct": 100 * overhead / out["llm"]}
 
 
-def reload_llm_with_delay(url: str, delay_us: int) -> None:
-    def set_delay(config: dict) -> None:
-        config["dynamic_batching"]["max_queue_delay_microseconds"] = delay_us
-
-    reload_with_config(url, "llm", set_delay, f"max_queue_delay_microseconds={delay_us}")
-
-
-async def delay_sweep(url: str, items: list[workload.Item], plan: Plan) -> list[dict]:
-    """Throughput and latency of the variable workload for each max_queue_delay_microseconds."""
-    c, points = plan.sweep_concurrency, []
-    original = requests.get(f"{url}/v2/models/llm/config", timeout=30).json()["dynamic_batching"]["max_queue_delay_microseconds"]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        for delay in plan.delays_us:
-            reload_llm_with_delay(url, delay)
-            send = load.http_generate(session, url)
-            await load.warm_up(send, items[:c])
-            run = await load.closed_loop(send, items[c:c + plan.requests(c)], c)
-            points.append({"max_queue_delay_us": delay, "concurrency": c, **load.summary(run)})
-            log.info("delay %d us: %.1f tok/s, p50 %.0f ms", delay, points[-1]["tokens_per_s"], points[-1]["p50_ms"])
-    reload_llm_with_delay(url, int(original))
-    return points
-
-
-def naive_repository(target: Path, gpu: bool) -> Path:
-    """ensemble_repo with llm's dynamic batcher removed: Triton then runs one request per execution."""
+def static_repository(target: Path, gpu: bool) -> Path:
+    """ensemble_repo with llm swapped for the static baseline (bench/static_model.py), batched by Triton's
+    dynamic batcher with the 5 ms queue delay the shipped config used before the engine."""
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
-    for name in ("ensemble", "preprocess", "postprocess"):
+    for name in ("ensemble", "ensemble_infer", "preprocess", "postprocess"):
         (target / name).symlink_to(MODEL_REPOSITORY / name)
-    llm = target / "llm"
-    llm.mkdir()
-    (llm / "1").symlink_to(MODEL_REPOSITORY / "llm" / "1")
+    (target / "llm" / "1").mkdir(parents=True)
+    shutil.copy2(Path(__file__).parent / "static_model.py", target / "llm" / "1" / "model.py")
     source = MODEL_REPOSITORY / "llm" / ("config.pbtxt" if gpu else "configs/cpu.pbtxt")
-    text = re.sub(r"^dynamic_batching .*\n", "", source.read_text(), flags=re.M)
-    (llm / "config.pbtxt").write_text("# Benchmark baseline: no dynamic batching.\n" + text)
+    text = source.read_text().replace("dynamic_batching { }", "dynamic_batching { max_queue_delay_microseconds: 5000 }")
+    (target / "llm" / "config.pbtxt").write_text("# Benchmark baseline: static batches (bench/static_model.py).\n" + text)
     return target
 
 
@@ -202,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode()))
            for items in sets.values() for i in items}
 
-    generator = Generator(LLMConfig(str(model_dir), max_tokens_limit=512), device)
-    limit = roofline.measure(generator.model, device, args.quick)
+    generator = StaticGenerator(LLM(LLMConfig(str(model_dir), max_tokens_limit=512), device))
+    limit = roofline.measure(generator.llm.model, device, args.quick)
     log.info("roofline: %.1f GFLOP/s, %.1f GB/s", limit.peak_flops / 1e9, limit.bandwidth / 1e9)
     points = in_process(generator, ids, sets, plan)
     del generator
@@ -213,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points += asyncio.run(sweep_server("ensemble", server.url, server.ports.grpc, sets, plan))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
-        delays = asyncio.run(delay_sweep(server.url, sets["variable"], plan))
         cross_check = None
         if plan.perf_analyzer:
             c = 8
@@ -224,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
 
-    naive = start(naive_repository(CACHE_DIR / "bench" / "naive_repo", gpu), model_dir, out, "naive", "")
+    static = start(static_repository(CACHE_DIR / "bench" / "static_repo", gpu), model_dir, out, "static", "")
     try:
-        points += asyncio.run(sweep_server("naive", naive.url, None, sets, plan))
+        points += asyncio.run(sweep_server("static", static.url, None, sets, plan))
     finally:
-        naive.stop()
+        static.stop()
 
     results = {
         "mode": "quick" if args.quick else "full",
@@ -237,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"dir": str(model_dir), "params": limit.params, "weight_bytes": limit.weight_bytes},
         "roofline": limit.as_dict(),
         "points": report.with_ratios(points, limit),
+        "targets": report.targets(points),
         "ensemble_overhead": overhead,
-        "max_queue_delay_sweep": delays,
         "perf_analyzer_cross_check": cross_check,
         "wall_s": time.perf_counter() - started,
     }

@@ -7,6 +7,7 @@ requests in flight without becoming the bottleneck; the client's own CPU time is
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -20,15 +21,17 @@ import tritonclient.grpc.aio as grpcaio
 from bench.workload import Item
 from client import Prompt, build_inputs
 
-Send = Callable[[Item], Awaitable[int]]  # returns the number of generated tokens
-MODELS = ("ensemble", "preprocess", "llm", "postprocess")
+Send = Callable[[Item], Awaitable[tuple[int, float]]]  # generated tokens, seconds to the first text
+MODELS = ("ensemble", "ensemble_infer", "preprocess", "llm", "postprocess")
 
 
 @dataclass
 class Run:
-    """What one closed-loop run measured: per-request latencies and token counts, wall and client CPU."""
+    """What one closed-loop run measured: per-request latencies, time to first token and token counts,
+    wall and client CPU."""
 
     latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     seconds: float = 0.0
     client_cpu_s: float = 0.0
@@ -47,8 +50,9 @@ async def closed_loop(send: Send, items: list[Item], concurrency: int) -> Run:
         while queue:
             item = queue.pop()
             begin = time.perf_counter()
-            tokens = await send(item)
+            tokens, ttft = await send(item)
             run.latencies.append(time.perf_counter() - begin)
+            run.ttfts.append(ttft)
             run.tokens.append(tokens)
 
     cpu, wall = time.process_time(), time.perf_counter()
@@ -57,51 +61,55 @@ async def closed_loop(send: Send, items: list[Item], concurrency: int) -> Run:
     return run
 
 
-def http_generate(session: aiohttp.ClientSession, url: str) -> Send:
-    async def send(item: Item) -> int:
-        body = {"text_input": item.text_input, "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos}
-        async with session.post(f"{url}/v2/models/ensemble/generate", json=body) as reply:
-            data = await reply.json()
-            if reply.status != 200:
-                raise RuntimeError(f"generate failed: {data}")
-            return data["completion_tokens"]
+def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble") -> Send:
+    """``generate_stream`` with ``stream: true``: the first event carries the first token's text (a
+    server that cannot stream sends one event at the end, so its TTFT is its latency)."""
+
+    async def send(item: Item) -> tuple[int, float]:
+        body = {"text_input": item.text_input, "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos,
+                "stream": True}
+        begin, first, tokens = time.perf_counter(), None, 0
+        async with session.post(f"{url}/v2/models/{model}/generate_stream", json=body) as reply:
+            async for line in reply.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise RuntimeError(f"generate_stream failed: {data['error']}")
+                first = first or time.perf_counter() - begin
+                tokens = data["completion_tokens"]
+        return tokens, first
 
     return send
 
 
 def grpc_infer(client: grpcaio.InferenceServerClient) -> Send:
+    """KServe ModelInfer on ``ensemble_infer``: one response, so TTFT is the latency."""
     outputs = [grpcclient.InferRequestedOutput("completion_tokens")]
 
-    async def send(item: Item) -> int:
+    async def send(item: Item) -> tuple[int, float]:
         inputs = build_inputs(grpcclient, Prompt(item.text_input, item.max_tokens, ignore_eos=item.ignore_eos))
-        result = await client.infer("ensemble", inputs, outputs=outputs)
-        return int(result.as_numpy("completion_tokens")[0][0])
+        begin = time.perf_counter()
+        result = await client.infer("ensemble_infer", inputs, outputs=outputs)
+        return int(result.as_numpy("completion_tokens")[0][0]), time.perf_counter() - begin
 
     return send
 
 
-def http_infer_ids(session: aiohttp.ClientSession, url: str, model: str, ids: dict[str, list[int]]) -> Send:
-    """KServe v2 JSON infer: token ids straight to ``llm``, or the same request's text to ``ensemble``."""
+def http_generate_ids(session: aiohttp.ClientSession, url: str, model: str, ids: dict[str, list[int]]) -> Send:
+    """``generate`` with token ids straight to ``llm``, or with the same request's text to ``ensemble``."""
 
-    async def send(item: Item) -> int:
-        common = [
-            {"name": "max_tokens", "shape": [1, 1], "datatype": "INT32", "data": [item.max_tokens]},
-            {"name": "ignore_eos", "shape": [1, 1], "datatype": "BOOL", "data": [item.ignore_eos]},
-        ]
-        if model == "llm":
-            prompt = ids[item.text_input]
-            inputs = [{"name": "input_ids", "shape": [1, len(prompt)], "datatype": "INT32", "data": prompt}]
-            wanted = "output_ids"
-        else:
-            inputs = [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": [item.text_input]}]
-            wanted = "completion_tokens"
-        body = {"inputs": inputs + common, "outputs": [{"name": wanted}]}
-        async with session.post(f"{url}/v2/models/{model}/infer", json=body) as reply:
+    async def send(item: Item) -> tuple[int, float]:
+        body = {"max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos}
+        body.update({"input_ids": ids[item.text_input]} if model == "llm" else {"text_input": item.text_input})
+        begin = time.perf_counter()
+        async with session.post(f"{url}/v2/models/{model}/generate", json=body) as reply:
             data = await reply.json()
             if reply.status != 200:
-                raise RuntimeError(f"{model} infer failed: {data}")
-            out = data["outputs"][0]
-            return len(out["data"]) if model == "llm" else out["data"][0]
+                raise RuntimeError(f"{model} generate failed: {data}")
+            ids = data.get("output_ids")  # generate gives a lone id as a scalar
+            tokens = (len(ids) if isinstance(ids, list) else 1) if model == "llm" else data["completion_tokens"]
+            return tokens, time.perf_counter() - begin
 
     return send
 
@@ -136,6 +144,7 @@ def stats_delta(before: dict, after: dict) -> dict[str, dict]:
 
 def summary(run: Run) -> dict:
     lat = np.array(run.latencies) * 1000
+    ttft = np.array(run.ttfts) * 1000
     tokens = int(sum(run.tokens))
     return {
         "requests": len(run.latencies),
@@ -145,6 +154,8 @@ def summary(run: Run) -> dict:
         "requests_per_s": len(run.latencies) / run.seconds,
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
         "client_cpu_s": run.client_cpu_s,
         "client_cpu_pct": 100 * run.client_cpu_s / run.seconds,
     }

@@ -42,7 +42,7 @@ def measure(http_port: int, items: list[Item], concurrency: int, workdir: Path) 
         for item in items
     ]}))
     cmd = [
-        str(Path(sys.executable).parent / "perf_analyzer"), "-m", "ensemble", "-u", f"127.0.0.1:{http_port}",
+        str(Path(sys.executable).parent / "perf_analyzer"), "-m", "ensemble_infer", "-u", f"127.0.0.1:{http_port}",
         "-i", "http", "--input-data", str(data), "--concurrency-range", str(concurrency),
         "--measurement-mode", "count_windows", "--measurement-request-count", str(len(items)),
         "--stability-percentage", "50", "--max-trials", "3",

@@ -118,15 +118,15 @@ class ChatClient:
     def _stream_http(self, prompt: Prompt) -> Iterator[Chunk]:
         url = f"http://{self.url}/v2/models/{STREAM_MODEL}/generate_stream"
         with requests.post(url, json={**prompt.body(), "stream": True}, stream=True, timeout=self.timeout) as reply:
-            if reply.status_code != 200:
-                raise InferenceServerException(reply.json().get("error", reply.text), status=str(reply.status_code))
-            for line in reply.iter_lines():
+            for line in reply.iter_lines():  # errors come as events too, with a 4xx status when first
                 if not line.startswith(b"data: "):
                     continue
                 data = json.loads(line[len(b"data: "):])
                 if "error" in data:
-                    raise InferenceServerException(data["error"])
+                    raise InferenceServerException(data["error"], status=str(reply.status_code))
                 yield Chunk(**{name: data[name] for name in OUTPUTS})
+            if reply.status_code != 200:
+                raise InferenceServerException(reply.text, status=str(reply.status_code))
 
     def _stream_grpc(self, prompt: Prompt) -> Iterator[Chunk]:
         answers: queue.Queue = queue.Queue()

@@ -37,8 +37,8 @@ def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("pre
     """Reload each model in ``models`` with ``tokenizer_dir``; raises with Triton's message on failure.
 
     A new chat template or a re-packaged tokenizer keeps the vocabulary, so ``preprocess`` alone is
-    enough. A tokenizer with another vocabulary must go to ``postprocess`` too (``models`` holding
-    both); requests caught between the two loads then fail with a clear fingerprint error.
+    enough (``postprocess`` too when its decoding should change). A tokenizer with another vocabulary
+    does not fit the llm model: llm refuses its ids with a clear fingerprint error.
     """
     def use_tokenizer(config: dict) -> None:
         config["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     swap.add_argument("tokenizer_dir", help="tokenizer folder, as a path on the server")
     swap.add_argument("--url", default="localhost:8000", help="Triton HTTP host:port")
     swap.add_argument("--with-postprocess", action="store_true",
-                      help="also reload postprocess (needed when the vocabulary changes)")
+                      help="also reload postprocess (the tokenizer that decodes replies)")
     args = parser.parse_args(argv)
     models = ("preprocess", "postprocess") if args.with_postprocess else ("preprocess",)
     try:

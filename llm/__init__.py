@@ -100,6 +100,14 @@ class LLM:
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cache slot holds: keys and values, every layer, every KV head (how to size the budget)."""
+        c = self.model.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+
     def engine(self, metrics: Metrics | None = None) -> Engine:
         return Engine(
             self.model, eos_ids=self.eos_ids, pad_id=self.pad_id, kv_cache_tokens=self.config.kv_cache_tokens,

@@ -42,11 +42,15 @@ class GenerationRequest:
 class Metrics:
     """Engine events for operators. This default records nothing, so the engine needs no server."""
 
-    def admitted(self, prompt_tokens: int, waited_s: float) -> None: ...
+    def admitted(self, prompt_tokens: int) -> None: ...
 
     def token(self, seconds: float, first: bool) -> None: ...
 
-    def step(self, running: int, waiting: int, kv_tokens: int) -> None: ...
+    def forward(self, rows: int) -> None:
+        """One forward pass (a prefill or a decode step) over ``rows`` requests."""
+
+    def step(self, running: int, waiting: int, kv_tokens: int) -> None:
+        """After every step, forward pass or not."""
 
 
 @dataclass(eq=False)
@@ -132,7 +136,9 @@ class Engine:
         admitted = self._admit()
         if admitted:
             changed += self._prefill(admitted)
+            self.metrics.forward(len(admitted))
         elif self.running:
+            self.metrics.forward(len(self.running))
             changed += self._decode()
         self._drop_finished()  # finished in this step: already in changed; their rows go now
         self.metrics.step(len(self.running), len(self.waiting), self.kv_tokens)
@@ -172,10 +178,9 @@ class Engine:
             while self.waiting and self._fits(self.running + admitted + [self.waiting[0]]):
                 admitted.append(self.waiting.popleft())
         self.prefilling = admitted
-        now = time.perf_counter()
         for seq in admitted:
             seq.sampler = Sampler(seq.request.sampling, self.device)
-            self.metrics.admitted(len(seq.request.input_ids), now - seq.arrived)
+            self.metrics.admitted(len(seq.request.input_ids))
         return admitted
 
     @torch.inference_mode()

@@ -14,3 +14,9 @@ def decode_utf8(field: str, raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInput(f"{field} is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
+
+
+# Leads every message of a server-side failure. Triton 2.51's BLS hands a caller (ensemble_infer) the
+# message of an error but not its code, so this is how it still tells a failure from a client mistake.
+INTERNAL_ERROR = "internal error: "
+CANCELLED = "request cancelled"

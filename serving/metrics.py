@@ -28,6 +28,9 @@ class TritonMetrics(Metrics):
         )
         self.prompt_tokens = _metric("llm_prompt_tokens_total", "Prompt tokens prefilled", counter, labels)
         self.generation_tokens = _metric("llm_generation_tokens_total", "Tokens generated", counter, labels)
+        self.forwards = _metric(
+            "llm_forward_passes_total", "Forward passes (prefills and decode steps); tokens / passes = batch", counter, labels
+        )
         self.running = _metric("llm_requests_running", "Requests in the running batch", gauge, labels)
         self.waiting = _metric("llm_requests_waiting", "Requests queued for the KV budget", gauge, labels)
         self.kv_tokens = _metric("llm_kv_cache_tokens", "KV cache slots in use (rows x columns)", gauge, labels)
@@ -40,12 +43,15 @@ class TritonMetrics(Metrics):
             buckets=TPOT_BUCKETS,
         )
 
-    def admitted(self, prompt_tokens: int, waited_s: float) -> None:
+    def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.increment(prompt_tokens)
 
     def token(self, seconds: float, first: bool) -> None:
         self.generation_tokens.increment(1)
         (self.ttft if first else self.tpot).observe(seconds)
+
+    def forward(self, rows: int) -> None:
+        self.forwards.increment(1)
 
     def step(self, running: int, waiting: int, kv_tokens: int) -> None:
         self.running.set(running)

@@ -55,6 +55,17 @@ def generate(http_url: str):
 
 
 @pytest.fixture
+def llm_metric(server: TritonServer):
+    """The current value of one of llm's custom metrics on Triton's metrics port."""
+
+    def read(name: str) -> float:
+        text = requests.get(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    return read
+
+
+@pytest.fixture
 def http_client(server: TritonServer) -> ChatClient:
     client = ChatClient(f"127.0.0.1:{server.ports.http}", "http")
     yield client

@@ -10,7 +10,7 @@ import pytest
 
 from bench import workload
 from bench.load import stats_delta
-from bench.report import with_ratios
+from bench.report import targets, with_ratios
 from bench.roofline import Roofline
 from launcher.triton import REPO_ROOT
 
@@ -41,12 +41,23 @@ def test_stats_delta_gives_per_request_means():
 
 
 def test_ratios_compare_the_same_workload_and_concurrency():
-    points = [{"system": s, "workload": "fixed", "concurrency": 4, "tokens_per_s": v}
-              for s, v in (("in_process", 100.0), ("naive", 25.0), ("ensemble_http", 90.0))]
+    points = [{"system": s, "workload": "fixed", "concurrency": 4, "tokens_per_s": v, "ttft_p50_ms": t}
+              for s, v, t in (("in_process", 100.0, 900.0), ("static", 25.0, 1000.0), ("ensemble_http", 90.0, 100.0))]
     limit = Roofline(1e12, 1e10, 10**8, 4 * 10**8)
     ours = with_ratios(points, limit)[2]
-    assert ours["vs_in_process"] == pytest.approx(0.9) and ours["vs_naive"] == pytest.approx(3.6)
+    assert ours["vs_in_process"] == pytest.approx(0.9) and ours["vs_static"] == pytest.approx(3.6)
+    assert ours["ttft_vs_static"] == pytest.approx(0.1)
     assert ours["roofline_fraction"] == pytest.approx(90 / limit.tokens_per_s(4))
+
+
+def test_targets_say_whether_each_ratio_meets_its_goal():
+    def p(system: str, name: str, tokens_per_s: float, ttft: float) -> dict:
+        return {"system": system, "workload": name, "concurrency": 16, "tokens_per_s": tokens_per_s, "ttft_p50_ms": ttft}
+
+    points = [p("static", "variable", 10, 1000), p("ensemble_http", "variable", 20, 600),
+              p("in_process", "fixed", 100, 1), p("static", "fixed", 90, 1), p("ensemble_http", "fixed", 85, 1)]
+    met = {t["target"]: t["met"] for t in targets(with_ratios(points, Roofline(1e12, 1e10, 10**8, 4 * 10**8)))}
+    assert list(met.values()) == [True, False, True]
 
 
 def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, model_dir):
@@ -55,19 +66,18 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     plan = results["plan"]
-    systems = {"in_process", "ensemble_http", "ensemble_grpc", "naive"}
+    systems = {"in_process", "static", "ensemble_http", "ensemble_grpc"}
     seen = {(p["system"], p["workload"], p["concurrency"]) for p in results["points"]}
     assert seen == {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]}
     for p in results["points"]:
         assert p["requests"] == max(8, plan["rounds"] * p["concurrency"]) and p["tokens_per_s"] > 0
-        assert p["p99_ms"] >= p["p50_ms"] > 0 and 0 < p["roofline_fraction"] < 1
+        assert p["p99_ms"] >= p["p50_ms"] >= p["ttft_p50_ms"] > 0 and 0 < p["roofline_fraction"] < 1
         if p["workload"] == "fixed":  # ignore_eos: every request generates exactly fixed_tokens
             assert p["output_tokens"] == p["requests"] * plan["fixed_tokens"]
         if p["system"] == "ensemble_http":
             assert p["server"]["llm"]["requests"] == p["requests"]
-    assert [d["max_queue_delay_us"] for d in results["max_queue_delay_sweep"]] == plan["delays_us"]
     assert results["ensemble_overhead"]["llm_p50_ms"] > 0
     table = (tmp_path / "results.md").read_text()
-    assert "| system | concurrency | tok/s |" in table and "max_queue_delay_microseconds" in table
+    assert "| system | concurrency | tok/s |" in table and "TTFT p50 ms" in table
     for plot in ("fixed.png", "variable.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

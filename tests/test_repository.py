@@ -52,7 +52,8 @@ def test_every_ensemble_step_maps_real_tensors_of_matching_type():
             assert key in inputs and produced[value] == inputs[key], (step.model_name, key)
         assert {t.name for t in model.input if not t.optional} <= set(step.input_map), step.model_name
         for key, value in step.output_map.items():
-            assert key == value, "one name per tensor, everywhere"
+            # One name per tensor; llm's copies of what postprocess passes on carry llm's prefix.
+            assert value in (key, f"llm_{key}"), "one name per tensor, everywhere"
             produced[value] = outputs[key]
         assert ensemble.max_batch_size <= model.max_batch_size
     assert {t.name: t.data_type for t in ensemble.output}.items() <= produced.items()
@@ -66,10 +67,21 @@ def test_llm_cpu_config_differs_from_the_gpu_one_only_in_instance_kind():
     assert gpu == cpu
 
 
-def test_llm_merges_prompts_of_different_lengths():
+def test_llm_is_decoupled_and_takes_prompts_of_different_lengths_together():
     llm = config("llm")
-    assert llm.HasField("dynamic_batching") and llm.max_batch_size > 1
+    assert llm.model_transaction_policy.decoupled and llm.max_batch_size > 1
     assert next(t for t in llm.input if t.name == "input_ids").allow_ragged_batch
+
+
+def test_ensemble_infer_offers_the_ensemble_interface_without_stream():
+    ensemble, infer = config("ensemble"), config("ensemble_infer")
+    assert not infer.model_transaction_policy.decoupled  # Triton serves infer only on such models
+    assert [(t.name, t.data_type) for t in infer.input] == [(t.name, t.data_type) for t in ensemble.input if t.name != "stream"]
+    assert [(t.name, t.data_type) for t in infer.output] == [(t.name, t.data_type) for t in ensemble.output]
+
+
+def test_postprocess_sees_cancelled_requests():
+    assert not config("postprocess").HasField("dynamic_batching")  # it would drop them unseen
 
 
 def test_tokenizer_models_run_on_the_cpu():
@@ -78,7 +90,8 @@ def test_tokenizer_models_run_on_the_cpu():
 
 
 def test_client_sends_exactly_the_ensemble_input_names():
-    names = {i.name() for i in build_inputs(httpclient, Prompt("hi", 4, "sys", False, True))}
+    prompt = Prompt("hi", 4, "sys", False, 0.5, 0.9, 40, 1.1, 7, ["\n"], True)
+    names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
     assert names == {t.name for t in config("ensemble").input}
 
 

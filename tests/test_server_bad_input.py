@@ -12,7 +12,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 
-def infer_json(url: str, inputs: list[dict], model: str = "ensemble") -> requests.Response:
+def infer_json(url: str, inputs: list[dict], model: str = "ensemble_infer") -> requests.Response:
     return requests.post(f"{url}/v2/models/{model}/infer", json={"inputs": inputs}, timeout=300)
 
 
@@ -35,7 +35,7 @@ def test_invalid_utf8_is_refused_over_http_binary(http_url):
     tensor = httpclient.InferInput("text_input", [1, 1], "BYTES")
     tensor.set_data_from_numpy(np.array([[b"caf\xe9 \xff"]], dtype=np.object_), binary_data=True)
     with pytest.raises(InferenceServerException, match="text_input is not valid UTF-8: byte 0xe9 at offset 3"):
-        client.infer("ensemble", [tensor])
+        client.infer("ensemble_infer", [tensor])
 
 
 def test_invalid_utf8_is_refused_over_grpc(server):
@@ -43,7 +43,7 @@ def test_invalid_utf8_is_refused_over_grpc(server):
     tensor = grpcclient.InferInput("text_input", [1, 1], "BYTES")
     tensor.set_data_from_numpy(np.array([[b"\xc3\x28"]], dtype=np.object_))
     with pytest.raises(InferenceServerException, match="text_input is not valid UTF-8"):
-        client.infer("ensemble", [tensor])
+        client.infer("ensemble_infer", [tensor])
 
 
 @pytest.mark.parametrize("max_tokens", [0, -5, 513, 100000])
@@ -56,7 +56,7 @@ def test_max_tokens_out_of_range_is_refused(generate, max_tokens):
 def test_prompt_longer_than_the_context_is_refused(generate):
     reply = generate({"text_input": "hello " * 9000, "max_tokens": 8})
     assert reply.status_code == 400
-    assert "exceeds the context of 8192 tokens" in reply.json()["error"]
+    assert "with max_tokens=8 it exceeds the 8192 tokens one request may hold" in reply.json()["error"]
 
 
 def test_prompt_over_the_byte_limit_is_refused(generate):
@@ -81,8 +81,35 @@ def test_a_client_batch_of_two_is_refused_clearly(http_url):
     assert reply.status_code == 400 and "batch dimension 2; send one prompt per request" in reply.json()["error"]
 
 
-def test_token_ids_beyond_the_model_vocabulary_are_refused(http_url):
-    reply = infer_json(http_url, [{"name": "input_ids", "shape": [1, 3], "datatype": "INT32", "data": [1, 2, 60000]}], "llm")
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"temperature": -0.5}, "temperature must be in [0.0, 2.0], got -0.5"),
+        ({"temperature": 3}, "temperature must be in [0.0, 2.0], got 3.0"),
+        ({"top_p": 0}, "top_p must be in (0.0, 1.0], got 0.0"),
+        ({"top_k": -1}, "top_k must be in [0, 49152], got -1"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0.0, 2.0], got 0.0"),
+        ({"seed": -1}, "seed must be in [0, 9223372036854775807], got -1"),
+        ({"stop": ["a"] * 9}, "stop holds 9 strings; the limit is 8 (max_stop_count)"),
+        ({"stop": ["x" * 129]}, "stop[0] is 129 bytes; the limit is 128 (max_stop_bytes)"),
+        ({"stop": ["ok", ""]}, "stop[1] must not be empty"),
+    ],
+)
+def test_sampling_and_stop_out_of_range_are_refused(generate, params, message):
+    reply = generate({"text_input": "hi", "max_tokens": 4, **params})
+    assert reply.status_code == 400 and message in reply.json()["error"]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_non_finite_temperature_is_refused(http_url, value):
+    body = '{"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}, ' \
+           '{"name": "temperature", "shape": [1, 1], "datatype": "FP32", "data": [%s]}]}' % value
+    reply = requests.post(f"{http_url}/v2/models/ensemble_infer/infer", data=body, timeout=300)
+    assert reply.status_code == 400 and "temperature must be a finite number" in reply.json()["error"]
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_refused(generate):
+    reply = generate({"input_ids": [1, 2, 60000]}, model="llm")
     assert reply.status_code == 400
     assert "token id 60000, outside the model vocabulary [0, 49152)" in reply.json()["error"]
 

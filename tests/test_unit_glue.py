@@ -7,8 +7,10 @@ bad request in an ``execute`` call never costs its batch-mates their answers.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
+import threading
 import types
 
 import numpy as np
@@ -19,11 +21,12 @@ from tritonclient.grpc import model_config_pb2
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from launcher.triton import MODEL_REPOSITORY
-from llm import Generator, LLMConfig
+from llm import LLM, LLMConfig
+from llm.service import EngineLoop
 
 
 class TritonError(Exception):
-    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+    INVALID_ARG, INTERNAL, CANCELLED = "INVALID_ARG", "INTERNAL", "CANCELLED"
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -44,8 +47,39 @@ class InferenceResponse:
         self.error = error
 
 
+FINAL = 1
+
+
+class Sender:
+    """Records what the model sends for one request; ``done`` is set by the final flag."""
+
+    def __init__(self) -> None:
+        self.responses: list[InferenceResponse] = []
+        self.done = threading.Event()
+
+    def send(self, response: InferenceResponse, flags: int = 0) -> None:
+        self.responses.append(response)
+        if flags & FINAL:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class Request(dict):
+    """Input tensors by name, and the response sender of a decoupled model."""
+
+    def __init__(self, **tensors) -> None:
+        super().__init__(tensors)
+        self.sender = Sender()
+
+    def get_response_sender(self) -> Sender:
+        return self.sender
+
+
 def fake_pb_utils() -> types.ModuleType:
     module = types.ModuleType("triton_python_backend_utils")
+    module.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     module.Tensor, module.InferenceResponse, module.TritonError = Tensor, InferenceResponse, TritonError
     module.get_input_tensor_by_name = lambda request, name: request.get(name)
     module.Logger = types.SimpleNamespace(log_info=print, log_verbose=print, log_error=print, log_warn=print)
@@ -66,39 +100,68 @@ def load_model(monkeypatch):
     return load
 
 
+class Letters:
+    def decode(self, ids: list[int], **_) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(128)}
+
+
 @pytest.fixture
 def llm_model(load_model):
+    """The llm glue around a tiny random model, initialised by hand (no metrics, no files)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0)
     model = load_model("llm")
-    model.generator = Generator(LLMConfig("unused"), torch.device("cpu"), LlamaForCausalLM(config))
-    model.generator.eos_ids = set()
-    return model
+    model.llm = LLM(LLMConfig("unused"), torch.device("cpu"), LlamaForCausalLM(config), Letters())
+    model.llm.eos_ids = set()
+    model.ids = (f"1-{n}" for n in itertools.count())
+    model.fingerprint = np.array([[b"f"]], dtype=np.object_)
+    model.loop = EngineLoop(model.llm.engine(), model._respond, model._is_cancelled, print)
+    yield model
+    model.finalize()
 
 
-def llm_request(ids: list[int], max_tokens: int) -> dict:
-    return {"input_ids": Tensor("input_ids", np.array([ids], dtype=np.int32)),
-            "max_tokens": Tensor("max_tokens", np.array([[max_tokens]], dtype=np.int32))}
+def llm_request(ids: list[int], max_tokens: int) -> Request:
+    return Request(input_ids=Tensor("input_ids", np.array([ids], dtype=np.int32)),
+                   max_tokens=Tensor("max_tokens", np.array([[max_tokens]], dtype=np.int32)))
+
+
+def answers(batch: list[Request]) -> list[InferenceResponse]:
+    """The final response of each request, once the engine thread has sent it."""
+    for request in batch:
+        assert request.sender.done.wait(60)
+    return [request.sender.responses[-1] for request in batch]
 
 
 def test_llm_answers_the_good_requests_of_a_batch_with_a_bad_one(llm_model):
     batch = [llm_request([1, 2, 3], 5), llm_request([4, 5], 0), llm_request([7], 3), llm_request([1, 500], 2)]
-    responses = llm_model.execute(batch)
+    assert llm_model.execute(batch) is None  # decoupled: answers come from the engine thread
+    responses = answers(batch)
     assert [r.error.code if r.error else None for r in responses] == [None, "INVALID_ARG", None, "INVALID_ARG"]
-    alone = [llm_model.execute([batch[i]])[0].outputs["output_ids"] for i in (0, 2)]
-    assert [responses[i].outputs["output_ids"].tolist() for i in (0, 2)] == [a.tolist() for a in alone]
+    again = [llm_request([1, 2, 3], 5), llm_request([7], 3)]
+    llm_model.execute(again)
+    alone = [r.outputs["output_ids"].tolist() for r in answers(again)]
+    assert [responses[i].outputs["output_ids"].tolist() for i in (0, 2)] == alone
     assert [responses[i].outputs["output_ids"].shape for i in (0, 2)] == [(1, 5), (1, 3)]
 
 
-def test_llm_turns_a_failed_forward_pass_into_errors_not_a_crash(llm_model, monkeypatch):
+def test_llm_turns_a_failed_forward_pass_into_errors_and_keeps_serving(llm_model, monkeypatch):
     def broken(batch):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(llm_model.generator, "generate", broken)
-    responses = llm_model.execute([llm_request([1], 2), llm_request([2], 2)])
+    monkeypatch.setattr(llm_model.loop.engine, "_prefill", broken)
+    batch = [llm_request([1], 2), llm_request([2], 2)]
+    llm_model.execute(batch)
+    responses = answers(batch)
     assert [r.error.code for r in responses] == ["INTERNAL", "INTERNAL"]
     assert "out of memory" in str(responses[0].error)
+    monkeypatch.undo()
+    later = [llm_request([3], 2)]
+    llm_model.execute(later)
+    assert answers(later)[0].error is None
 
 
 def test_preprocess_answers_the_good_requests_of_a_batch_with_bad_ones(load_model, model_dir, monkeypatch):
@@ -109,9 +172,9 @@ def test_preprocess_answers_the_good_requests_of_a_batch_with_bad_ones(load_mode
     model.initialize({"model_config": json.dumps(parsed)})
 
     def text(raw: bytes) -> dict:
-        return {"text_input": Tensor("text_input", np.array([[raw]], dtype=np.object_))}
+        return Request(text_input=Tensor("text_input", np.array([[raw]], dtype=np.object_)))
 
-    responses = model.execute([text(b"hello"), text(b"\xff"), {}, text(b"world")])
+    responses = model.execute([text(b"hello"), text(b"\xff"), Request(), text(b"world")])
     assert [r.error.code if r.error else None for r in responses] == [None, "INVALID_ARG", "INVALID_ARG", None]
     assert "text_input is required" in str(responses[2].error)
     assert responses[0].outputs["input_ids"].shape[0] == 1

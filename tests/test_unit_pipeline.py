@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
-from llm import Generator, LLMConfig
-from postprocess import Detokenizer, PostprocessConfig
+from postprocess import Chunk, Detokenizer, PostprocessConfig
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 from serving.errors import InvalidInput
 from serving.params import read_parameters
@@ -99,30 +97,58 @@ def detokenizer(model_dir) -> Detokenizer:
     return Detokenizer(PostprocessConfig(str(model_dir)))
 
 
+def whole(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> str:
+    return detokenizer.text(Chunk(ids, 0, finished=True, stop=stop))
+
+
+def stream(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> list[str]:
+    """One chunk per token, as postprocess sees a stream; the last one finishes."""
+    return [detokenizer.text(Chunk(ids[:n], n - 1, finished=n == len(ids), stop=stop)) for n in range(1, len(ids) + 1)]
+
+
 def test_detokenizer_round_trips_chinese_and_emoji(detokenizer, tokenizer):
-    assert detokenizer.decode(tokenizer.encode(TEXT), detokenizer.fingerprint) == TEXT
+    assert whole(detokenizer, tokenizer.encode(TEXT)) == TEXT
 
 
 def test_cut_replies_are_complete_utf8_prefixes(detokenizer, tokenizer):
     ids = tokenizer.encode(TEXT)
     for end in range(len(ids) + 1):
-        text = detokenizer.decode(ids[:end], detokenizer.fingerprint)
+        text = whole(detokenizer, ids[:end])
         assert "\ufffd" not in text and TEXT.startswith(text), (end, text)
+
+
+def test_streamed_chunks_are_whole_characters_that_add_up(detokenizer, tokenizer):
+    chunks = stream(detokenizer, tokenizer.encode(TEXT))
+    assert all("\ufffd" not in c for c in chunks) and "".join(chunks) == TEXT
+    assert "" in chunks  # a token that ends inside a character waits for the next one
+
+
+@pytest.mark.parametrize("stop", [("蓝色",), ("🌍",), (" o", "天空是蓝x")])
+def test_a_stop_string_cuts_the_text_and_never_leaks_into_a_chunk(detokenizer, tokenizer, stop):
+    ids = tokenizer.encode(TEXT)
+    expected = TEXT[: min(TEXT.index(s) for s in stop if s in TEXT)]
+    chunks = stream(detokenizer, ids, stop)
+    assert "".join(chunks) == expected == whole(detokenizer, ids, stop)
+
+
+def test_a_partial_stop_string_is_released_at_the_end(detokenizer, tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert "".join(stream(detokenizer, ids, ("ok!",))) == TEXT
 
 
 def test_special_tokens_are_left_out(detokenizer, tokenizer):
     ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
-    assert detokenizer.decode(ids, detokenizer.fingerprint) == "assistant\nHi"
+    assert whole(detokenizer, ids) == "assistant\nHi"
 
 
 def test_fingerprint_mismatch_is_refused(detokenizer):
     with pytest.raises(InvalidInput, match="does not match postprocess's tokenizer"):
-        detokenizer.decode([1, 2], "0000000000000000")
+        detokenizer.check("0000000000000000")
 
 
 def test_ids_beyond_the_tokenizer_are_refused(detokenizer):
     with pytest.raises(InvalidInput, match="outside the tokenizer vocabulary"):
-        detokenizer.decode([10**6], detokenizer.fingerprint)
+        whole(detokenizer, [10**6])
 
 
 def test_fingerprint_ignores_the_chat_template_but_not_the_vocabulary(model_dir):
@@ -134,89 +160,3 @@ def test_fingerprint_ignores_the_chat_template_but_not_the_vocabulary(model_dir)
     assert vocab_fingerprint(tokenizer) != before
 
 
-# llm, with a tiny random model
-
-
-@pytest.fixture(scope="module")
-def generator() -> Generator:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None
-    return Generator(LLMConfig("unused", default_max_tokens=4, max_tokens_limit=16), torch.device("cpu"), model)
-
-
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
-
-
-def test_a_batch_of_mixed_lengths_matches_one_by_one(generator):
-    requests = [generator.validate(ids, 8) for ids in PROMPTS]
-    assert generator.generate(requests) == [generator.generate([r])[0] for r in requests]
-
-
-def test_each_row_keeps_its_own_max_tokens(generator):
-    requests = [generator.validate(ids, n) for ids, n in zip(PROMPTS, [1, 8, 3])]
-    assert [len(reply) for reply in generator.generate(requests)] == [1, 8, 3]
-
-
-def test_default_max_tokens_applies_when_absent(generator):
-    assert generator.validate([1, 2], None).max_tokens == 4
-
-
-def test_greedy_is_deterministic(generator):
-    request = generator.validate(PROMPTS[1], 8)
-    assert generator.generate([request]) == generator.generate([request])
-
-
-def test_eos_ends_the_reply_and_is_not_returned(generator):
-    request = generator.validate(PROMPTS[0], 8)
-    first = generator.generate([request])[0]
-    generator.eos_ids = {first[2]}
-    try:
-        assert generator.generate([request])[0] == first[: first.index(first[2])]
-    finally:
-        generator.eos_ids = set()
-
-
-@pytest.mark.parametrize(
-    "ids, max_tokens, message",
-    [
-        ([1], 0, r"max_tokens must be in \[1, 16\], got 0"),
-        ([1], -3, r"max_tokens must be in \[1, 16\], got -3"),
-        ([1], 17, r"max_tokens must be in \[1, 16\], got 17"),
-        ([], 4, "input_ids must not be empty"),
-        ([1, 256], 4, r"token id 256, outside the model vocabulary \[0, 256\)"),
-        ([1, -1], 4, "token id -1"),
-        ([1] * 60, 8, "prompt is 60 tokens; with max_tokens=8 it exceeds the context of 64 tokens"),
-    ],
-)
-def test_invalid_requests_name_the_field_and_limit(generator, ids, max_tokens, message):
-    with pytest.raises(InvalidInput, match=message):
-        generator.validate(ids, max_tokens)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"dtype": "float8"}, "parameter 'dtype'"),
-        ({"default_max_tokens": 600}, "parameter 'default_max_tokens'"),
-        ({"max_context_tokens": -1}, "parameter 'max_context_tokens'"),
-    ],
-)
-def test_bad_llm_config_fails_the_load(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        LLMConfig("m", **kwargs)
-
-
-def test_ignore_eos_generates_exactly_max_tokens(generator):
-    request = generator.validate(PROMPTS[0], 8)
-    first = generator.generate([request])[0]
-    generator.eos_ids = {first[1]}
-    try:
-        stopped, forced = generator.generate([request, generator.validate(PROMPTS[0], 8, ignore_eos=True)])
-        assert forced == first and stopped == first[: first.index(first[1])]
-    finally:
-        generator.eos_ids = set()

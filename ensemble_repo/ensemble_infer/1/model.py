@@ -11,7 +11,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
+from serving.errors import CANCELLED, INTERNAL_ERROR
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _error(message: str) -> "pb_utils.TritonError":
+    """The ensemble's error with its code back: BLS keeps only the message, which says which it was."""
+    if INTERNAL_ERROR in message:
+        return pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
+    if CANCELLED in message:
+        return pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED)
+    return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
 
 
 class TritonPythonModel:
@@ -34,12 +45,12 @@ class TritonPythonModel:
         reply = None
         for response in call.exec(decoupled=True):
             if response.has_error():
-                reply = pb_utils.InferenceResponse(output_tensors=[], error=response.error())
+                reply = pb_utils.InferenceResponse(output_tensors=[], error=_error(response.error().message()))
             elif response.output_tensors():
                 reply = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
         if reply is None:
             reply = pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError("ensemble returned no response", pb_utils.TritonError.INTERNAL)
+                output_tensors=[], error=_error(INTERNAL_ERROR + "ensemble returned no response")
             )
         sender.send(reply, flags=FINAL)
 

@@ -13,7 +13,7 @@ from llm import LLM, LLMConfig, configure_threads
 from llm.engine import Sequence
 from llm.service import EngineLoop
 from serving import cancel
-from serving.errors import InvalidInput, decode_utf8
+from serving.errors import CANCELLED, INTERNAL_ERROR, InvalidInput, decode_utf8
 from serving.glue import error_response, response, scalar, single
 from serving.metrics import TritonMetrics
 from serving.params import read_parameters
@@ -47,7 +47,9 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"llm: {config.model_dir} on {device} as {self.llm.model.dtype}, {threads} threads, "
             f"vocabulary {self.llm.vocab_size}, context {self.llm.context_tokens} tokens, "
-            f"KV budget {config.kv_cache_tokens} tokens, up to {config.max_running_requests} running requests"
+            f"KV budget {config.kv_cache_tokens} tokens x {self.llm.kv_bytes_per_token} bytes = "
+            f"{config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
+            f"up to {config.max_running_requests} running requests"
         )
 
     def execute(self, requests: list) -> None:
@@ -82,9 +84,9 @@ class TritonPythonModel:
         """The engine thread's answer: every id so far (postprocess decodes the new part), or an error."""
         flags = FINAL if seq.finished else 0
         if seq.finish_reason == "error":
-            reply = error_response(seq.error, pb_utils.TritonError.INTERNAL)
+            reply = error_response(INTERNAL_ERROR + seq.error, pb_utils.TritonError.INTERNAL)
         elif seq.finish_reason == "cancelled":
-            reply = error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+            reply = error_response(CANCELLED, pb_utils.TritonError.CANCELLED)
         else:
             reply = response(
                 output_ids=np.array([seq.output_ids], dtype=np.int32),

@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 
 from postprocess import Chunk, Detokenizer, PostprocessConfig
 from serving import cancel
-from serving.errors import InvalidInput, decode_utf8
+from serving.errors import CANCELLED, InvalidInput, decode_utf8
 from serving.glue import error_response, response, scalar, single
 from serving.params import read_parameters
 
@@ -28,7 +28,7 @@ class TritonPythonModel:
             generation_id = scalar(request, "generation_id")
             if generation_id is not None:
                 cancel.mark(generation_id.decode("utf-8", "replace"))
-            return error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+            return error_response(CANCELLED, pb_utils.TritonError.CANCELLED)
         try:
             ids = single(request, "output_ids")
             fingerprint = scalar(request, "tokenizer_fingerprint")

@@ -1,0 +1,164 @@
+"""The in-flight batching engine, sampling and validation, driven in-process with a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.static_llm import StaticGenerator
+from llm import LLM, LLMConfig
+from llm.engine import Sequence
+from serving.errors import InvalidInput
+from serving.stops import partial_stop_length, visible_text
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
+
+
+class Letters:
+    """A stand-in tokenizer: token i is one letter, so stop strings can be written down."""
+
+    def decode(self, ids: list[int], **_) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(256)}
+
+
+@pytest.fixture
+def llm() -> LLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return LLM(LLMConfig("unused", default_max_tokens=4, max_tokens_limit=16, kv_cache_tokens=200), torch.device("cpu"), model, Letters())
+
+
+def run(engine, seqs: list[Sequence], join_after: list[int] | None = None) -> list[Sequence]:
+    """Add ``seqs[i]`` after ``join_after[i]`` steps (all at once by default) and step until done."""
+    join_after = join_after or [0] * len(seqs)
+    steps = 0
+    while engine.has_work or any(s.finish_reason is None for s in seqs):
+        for seq, at in zip(seqs, join_after):
+            if at == steps:
+                engine.add(seq)
+        engine.step()
+        steps += 1
+        assert steps < 500
+    return seqs
+
+
+def test_rows_joining_mid_generation_match_one_by_one_greedy(llm):
+    requests = [llm.validate(ids, 12) for ids in PROMPTS]
+    alone = [StaticGenerator(llm).generate([r])[0] for r in requests]
+    seqs = run(llm.engine(), [Sequence(r) for r in requests], join_after=[0, 3, 7])
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_each_row_keeps_its_own_max_tokens_and_leaves_at_once(llm):
+    engine = llm.engine()
+    seqs = run(engine, [Sequence(llm.validate(ids, n)) for ids, n in zip(PROMPTS, [1, 8, 3])])
+    assert [len(s.output_ids) for s in seqs] == [1, 8, 3] and {s.finish_reason for s in seqs} == {"length"}
+    assert engine.running == [] and engine.kv_tokens == 0
+
+
+def test_a_seeded_row_samples_the_same_whatever_its_batch_mates(llm):
+    sampled = llm.validate(PROMPTS[0], 12, temperature=1.0, top_k=50, top_p=0.9, seed=5)
+    alone = run(llm.engine(), [Sequence(sampled)])[0].output_ids
+    mates = [llm.validate(PROMPTS[1], 16, temperature=0.7, seed=9), llm.validate(PROMPTS[2], 5)]
+    crowded = run(llm.engine(), [Sequence(mates[0]), Sequence(sampled), Sequence(mates[1])], join_after=[0, 2, 4])
+    assert crowded[1].output_ids == alone
+    other_seed = run(llm.engine(), [Sequence(llm.validate(PROMPTS[0], 12, temperature=1.0, top_k=50, top_p=0.9, seed=6))])
+    assert other_seed[0].output_ids != alone
+
+
+def test_repetition_penalty_changes_greedy_choices(llm):
+    plain = run(llm.engine(), [Sequence(llm.validate(PROMPTS[0], 16))])[0].output_ids
+    penalised = run(llm.engine(), [Sequence(llm.validate(PROMPTS[0], 16, repetition_penalty=2.0))])[0].output_ids
+    assert plain != penalised
+
+
+def test_a_stop_string_ends_the_row_on_text(llm):
+    reply = run(llm.engine(), [Sequence(llm.validate(PROMPTS[1], 16))])[0].output_ids
+    text = Letters().decode(reply)
+    stop = text[4:6]  # spans two tokens: matched on text, not on a single token
+    seq = run(llm.engine(), [Sequence(llm.validate(PROMPTS[1], 16, stop=[stop.encode()]))])[0]
+    assert seq.finish_reason == "stop" and Letters().decode(seq.output_ids).find(stop) == text.find(stop)
+
+
+def test_eos_ends_the_reply_unless_ignored(llm):
+    reply = run(llm.engine(), [Sequence(llm.validate(PROMPTS[0], 8))])[0].output_ids
+    llm.eos_ids = {reply[2]}
+    stopped, forced = run(llm.engine(), [Sequence(llm.validate(PROMPTS[0], 8)), Sequence(llm.validate(PROMPTS[0], 8, ignore_eos=True))])
+    assert stopped.output_ids == reply[: reply.index(reply[2])] and stopped.finish_reason == "stop"
+    assert forced.output_ids == reply and forced.finish_reason == "length"
+
+
+def test_the_kv_budget_queues_requests_first_come_first_served(llm):
+    engine = llm.engine()  # budget 200 slots; each request reserves 3 + 16 = 19 columns
+    seqs = [Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True)) for _ in range(14)]
+    for seq in seqs:
+        engine.add(seq)
+    engine.step()
+    assert len(engine.running) == 200 // 19 and len(engine.waiting) == 14 - 200 // 19
+    run(engine, [])
+    assert all(s.finish_reason == "length" for s in seqs)
+
+
+def test_a_cancelled_row_leaves_at_the_next_step(llm):
+    engine = llm.engine()
+    long, short = Sequence(llm.validate(PROMPTS[1], 16)), Sequence(llm.validate(PROMPTS[0], 16))
+    engine.add(long), engine.add(short)
+    engine.step(), engine.step()
+    engine.cancel(long)
+    changed = engine.step()
+    assert long in changed and long.finish_reason == "cancelled" and engine.running == [short]
+
+
+@pytest.mark.parametrize(
+    "ids, kwargs, message",
+    [
+        ([1], {"max_tokens": 0}, r"max_tokens must be in \[1, 16\], got 0"),
+        ([1], {"max_tokens": 17}, r"max_tokens must be in \[1, 16\], got 17"),
+        ([], {}, "input_ids must not be empty"),
+        ([1, 256], {}, r"token id 256, outside the model vocabulary \[0, 256\)"),
+        ([1] * 60, {"max_tokens": 8}, "prompt is 60 tokens; with max_tokens=8 it exceeds the 64 tokens"),
+        ([1], {"temperature": float("nan")}, "temperature must be a finite number"),
+        ([1], {"temperature": -1.0}, r"temperature must be in \[0.0, 2.0\]"),
+        ([1], {"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\]"),
+        ([1], {"top_k": 257}, r"top_k must be in \[0, 256\]"),
+        ([1], {"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+        ([1], {"seed": -4}, r"seed must be in \[0, "),
+        ([1], {"stop": [b"a"] * 9}, r"stop holds 9 strings; the limit is 8"),
+        ([1], {"stop": [b"\xff"]}, r"stop\[0\] is not valid UTF-8"),
+        ([1], {"tokenizer_fingerprint": "x"}, "does not match the llm model's vocabulary"),
+    ],
+)
+def test_invalid_requests_name_the_field_and_limit(llm, ids, kwargs, message):
+    with pytest.raises(InvalidInput, match=message):
+        llm.validate(ids, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "float8"}, "parameter 'dtype'"),
+        ({"default_max_tokens": 600}, "parameter 'default_max_tokens'"),
+        ({"max_context_tokens": -1}, "parameter 'max_context_tokens'"),
+        ({"kv_cache_tokens": 0}, "parameter 'kv_cache_tokens'"),
+    ],
+)
+def test_bad_llm_config_fails_the_load(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLMConfig("m", **kwargs)
+
+
+def test_visible_text_holds_back_what_may_become_a_stop_string():
+    assert partial_stop_length("hello wor", ("world",)) == 3
+    assert visible_text("hello wor", ("world",), final=False) == "hello "
+    assert visible_text("hello wor", ("world",), final=True) == "hello wor"
+    assert visible_text("hello world!", ("world",), final=False) == "hello "
+    assert visible_text("caf\ufffd", (), final=False) == "caf"
