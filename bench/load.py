@@ -107,8 +107,8 @@ def http_generate_ids(session: aiohttp.ClientSession, url: str, model: str, ids:
             data = await reply.json()
             if reply.status != 200:
                 raise RuntimeError(f"{model} generate failed: {data}")
-            ids = data.get("output_ids")  # generate gives a lone id as a scalar
-            tokens = (len(ids) if isinstance(ids, list) else 1) if model == "llm" else data["completion_tokens"]
+            out = data.get("output_ids")  # generate gives a lone id as a scalar
+            tokens = (len(out) if isinstance(out, list) else 1) if model == "llm" else data["completion_tokens"]
             return tokens, time.perf_counter() - begin
 
     return send
