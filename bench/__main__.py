@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
         cross_check = None
         if plan.perf_analyzer:
-            c = 8
+            c = 4  # every plan has it
             ours = next(p for p in points if p["system"] == "ensemble_http" and p["workload"] == "fixed" and p["concurrency"] == c)
             cross_check = {"concurrency": c, "workload": "fixed", "ours_requests_per_s": ours["requests_per_s"],
                            "ours_p50_ms": ours["p50_ms"],

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from llm.attention import use_grouped_attention
 from llm.engine import Engine, GenerationRequest, Metrics
 from llm.sampling import SamplingParams
 from serving.errors import InvalidInput
@@ -88,6 +89,7 @@ class LLM:
             local_files_only=True, trust_remote_code=False,
         )
         self.model.to(device).eval()
+        use_grouped_attention(self.model, device)
         # The model's own vocabulary turns ids into text for stop strings (postprocess checks that its
         # tokenizer shares it).
         self.tokenizer = tokenizer or load_tokenizer(config.model_dir)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.static_llm import StaticGenerator
 from llm import LLM, LLMConfig
-from llm.engine import Sequence
+from llm.attention import NAME
+from llm.engine import Sequence, similar_lengths
 from serving.errors import InvalidInput
 from serving.stops import partial_stop_length, visible_text
 
@@ -162,3 +165,29 @@ def test_visible_text_holds_back_what_may_become_a_stop_string():
     assert visible_text("hello wor", ("world",), final=True) == "hello wor"
     assert visible_text("hello world!", ("world",), final=False) == "hello "
     assert visible_text("caf\ufffd", (), final=False) == "caf"
+
+
+def test_grouped_attention_is_the_default_on_cpu_and_matches_sdpa(llm):
+    assert llm.model.config._attn_implementation == NAME
+    requests = [llm.validate(ids, 12) for ids in PROMPTS]
+    grouped = run(llm.engine(), [Sequence(r) for r in requests])
+    ids = torch.tensor([[0, 0, 0, 0, 5, 6, 7], PROMPTS[1]])
+    mask = (torch.arange(7) >= torch.tensor([[4], [0]])).long()
+    with torch.inference_mode():
+        logits = llm.model(input_ids=ids, attention_mask=mask).logits
+        llm.model.set_attn_implementation("sdpa")
+        reference = llm.model(input_ids=ids, attention_mask=mask).logits
+    repeated = run(llm.engine(), [Sequence(r) for r in requests])
+    assert [s.output_ids for s in grouped] == [s.output_ids for s in repeated]
+    torch.testing.assert_close(logits, reference)
+
+
+def test_prefill_groups_bound_the_padding_and_keep_every_request():
+    lengths = [4, 260, 5, 130, 120, 6, 250]
+    seqs = [SimpleNamespace(request=SimpleNamespace(input_ids=[1] * n)) for n in lengths]
+    groups = similar_lengths(seqs)
+    assert sorted(id(s) for g in groups for s in g) == sorted(id(s) for s in seqs)
+    for group in groups:
+        sizes = [len(s.request.input_ids) for s in group]
+        assert max(sizes) * len(sizes) <= 1.25 * sum(sizes)
+    assert len(groups) == 3  # 4-6, 120-130, 250-260
