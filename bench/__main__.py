@@ -90,8 +90,9 @@ def in_process(generator: StaticGenerator, ids: dict[str, list[int]], sets: dict
                 batch = [validate(ids[i.text_input], i.max_tokens, ignore_eos=True) for i in chosen[start:start + c]]
                 begin = time.perf_counter()
                 replies = generator.generate(batch)
-                run.latencies += [time.perf_counter() - begin] * len(batch)
-                run.ttfts += [time.perf_counter() - begin] * len(batch)
+                seconds = time.perf_counter() - begin  # no streaming: the first token comes with the last
+                run.latencies += [seconds] * len(batch)
+                run.ttfts += [seconds] * len(batch)
                 run.tokens += [len(r) for r in replies]
             run.seconds, run.client_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
             points.append(point("in_process", name, c, load.summary(run)))
