@@ -27,10 +27,15 @@ ENV PYTHONPATH=/opt/chat \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
     MODEL_DIR=/opt/chat/cache/models/SmolLM2-135M-Instruct
-RUN python3 -m launcher prepare
+RUN python3 -m launcher prepare \
+ && (id -u triton-server >/dev/null 2>&1 || useradd --create-home --uid 1000 triton-server) \
+ && chown -R triton-server /opt/chat/cache
+
+# Not root: the NGC image ships the triton-server user for this.
+USER triton-server
 
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
-  CMD python3 -c "import urllib.request; urllib.request.urlopen('http://localhost:8000/v2/health/ready', timeout=4)"
+  CMD python3 -m launcher health
 # tritonserver on ensemble_repo/, GPU config when a GPU is visible; extra arguments pass through.
 ENTRYPOINT ["triton-chat-entrypoint"]

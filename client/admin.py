@@ -3,13 +3,17 @@
 Triton runs in explicit model-control mode, so one model can be reloaded through the repository API
 (``POST /v2/repository/models/<name>/load`` with a config override). Triton loads the new ``preprocess``
 while the old one keeps serving, switches over, reloads the ``ensemble`` that depends on it, and leaves
-``llm`` alone. ``DIR`` is a path as the *server* sees it.
+``llm`` alone. ``DIR`` is a path as the *server* sees it, inside one of its ``MODEL_ROOTS``.
+
+The repository API is restricted: requests carry the header ``admin-key`` with the server's
+``ADMIN_KEY`` (``--admin-key``, or the same environment variable here).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from typing import Callable
@@ -17,23 +21,30 @@ from typing import Callable
 import requests
 
 
-def reload_with_config(url: str, model: str, edit: Callable[[dict], None], change: str, timeout: float = 600) -> None:
+ADMIN_HEADER = "admin-key"
+
+
+def reload_with_config(url: str, model: str, edit: Callable[[dict], None], change: str, admin_key: str | None = None,
+                       timeout: float = 600) -> None:
     """Load ``model`` again with its served config changed by ``edit`` (``change`` says how, for errors).
 
-    Raises with Triton's message when the load fails; Triton then keeps serving the old model.
+    Raises with Triton's message when the load fails (a wrong ``admin_key`` included); Triton then keeps
+    serving the old model.
     """
+    key = admin_key if admin_key is not None else os.environ.get("ADMIN_KEY", "")
     base = url if url.startswith("http") else f"http://{url}"
     config = requests.get(f"{base}/v2/models/{model}/config", timeout=30)
     config.raise_for_status()
     body = config.json()
     edit(body)
     load = requests.post(f"{base}/v2/repository/models/{model}/load",
-                         json={"parameters": {"config": json.dumps(body)}}, timeout=timeout)
+                         json={"parameters": {"config": json.dumps(body)}}, headers={ADMIN_HEADER: key}, timeout=timeout)
     if load.status_code != 200:
         raise RuntimeError(f"loading {model} with {change} failed: {load.text}")
 
 
-def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), timeout: float = 300) -> None:
+def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), admin_key: str | None = None,
+                   timeout: float = 300) -> None:
     """Reload each model in ``models`` with ``tokenizer_dir``; raises with Triton's message on failure.
 
     A new chat template or a re-packaged tokenizer keeps the vocabulary, so ``preprocess`` alone is
@@ -44,7 +55,7 @@ def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("pre
         config["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
 
     for name in models:
-        reload_with_config(url, name, use_tokenizer, f"tokenizer_dir={tokenizer_dir}", timeout)
+        reload_with_config(url, name, use_tokenizer, f"tokenizer_dir={tokenizer_dir}", admin_key, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     swap = sub.add_parser("swap-tokenizer", help="load preprocess (and optionally postprocess) with a new tokenizer")
     swap.add_argument("tokenizer_dir", help="tokenizer folder, as a path on the server")
     swap.add_argument("--url", default="localhost:8000", help="Triton HTTP host:port")
+    swap.add_argument("--admin-key", default=None, help="the server's ADMIN_KEY (default: $ADMIN_KEY)")
     swap.add_argument("--with-postprocess", action="store_true",
                       help="also reload postprocess (the tokenizer that decodes replies)")
     args = parser.parse_args(argv)
     models = ("preprocess", "postprocess") if args.with_postprocess else ("preprocess",)
     try:
-        swap_tokenizer(args.url, args.tokenizer_dir, models)
+        swap_tokenizer(args.url, args.tokenizer_dir, models, args.admin_key)
     except (RuntimeError, requests.RequestException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -8,6 +8,21 @@ else
   echo "entrypoint: no GPU visible, serving llm on the CPU (--model-config-name=cpu)" >&2
   config="--model-config-name=cpu"
 fi
+# The APIs that change the server (model load/unload, shared memory, logging, tracing) need the header
+# admin-key: $ADMIN_KEY. Without ADMIN_KEY the key is random, so they stay shut.
+if [ -z "${ADMIN_KEY}" ]; then
+  echo "entrypoint: ADMIN_KEY is not set, the model repository API is locked" >&2
+  ADMIN_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+fi
+# Models and tokenizers load only from inside these folders (serving/paths.py).
+export MODEL_ROOTS="${MODEL_ROOTS:-/opt/chat/cache/models:/models}"
+restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
+# Triton 2.51 does not notice a Python stub that dies; the watchdog reloads its model (launcher/watchdog.py).
+HTTP_PORT="${HTTP_PORT:-8000}" python3 -m launcher watch &
+unset ADMIN_KEY  # the models have no use for it
 # Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
+# exec: tritonserver replaces this shell as PID 1, so docker stop's SIGTERM reaches it, and it drains
+# in-flight requests for up to --exit-timeout-secs before it exits.
 exec tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \
-  --load-model='*' --exit-timeout-secs=30 $config "$@"
+  --load-model='*' --exit-timeout-secs=30 --http-restricted-api="$restricted" --grpc-restricted-protocol="$restricted" \
+  $config "$@"

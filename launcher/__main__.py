@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from launcher.model import prepare_default_model
-from launcher.triton import CACHE_DIR, TritonServer, has_gpu
+from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
+from launcher.watchdog import Watchdog, healthy, python_models
 
 log = logging.getLogger("launcher")
 
@@ -35,6 +36,8 @@ def start_server(log_path: Path | None) -> TritonServer:
     # stops Triton, which finishes in-flight requests (up to --exit-timeout-secs) before it exits.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
+    if not os.environ.get("ADMIN_KEY"):
+        log.warning("ADMIN_KEY is not set: the model repository API is locked (set it to swap tokenizers)")
     config_name = "" if gpu else "cpu"
     return TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path, model_config_name=config_name).start()
 
@@ -83,6 +86,28 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
 
 
+def local_url() -> str:
+    return f"http://127.0.0.1:{Ports.from_env().http}"
+
+
+def watch() -> int:
+    """The watchdog alone, next to a tritonserver started elsewhere (the image's entrypoint)."""
+    repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
+    watchdog = Watchdog(local_url(), os.environ.get("ADMIN_KEY", ""), python_models(repository))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        watchdog.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def health() -> int:
+    """Exit 0 when ready and every ready Python model has its stub (Docker's HEALTHCHECK)."""
+    repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
+    return 0 if healthy(local_url(), python_models(repository)) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__,
@@ -90,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="prepare the default model folder (once) and print its path")
     sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
+    sub.add_parser("watch", help="reload a model whose Python stub died (needs ADMIN_KEY), until SIGTERM")
+    sub.add_parser("health", help="exit 0 when Triton is ready and no Python stub has died")
     run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
     run_parser.add_argument("--prompt", default="What is the capital of France?")
     run_parser.add_argument("--max-tokens", type=int, dest="max_tokens", default=None)
@@ -98,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         print(prepare_default_model())
         return 0
-    return serve() if args.command == "serve" else run(args)
+    commands = {"serve": serve, "watch": watch, "health": health}
+    return commands[args.command]() if args.command in commands else run(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,12 +23,27 @@ from pathlib import Path
 
 import requests
 
+from client.admin import ADMIN_HEADER
+from launcher.watchdog import Watchdog, python_models
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "ensemble_repo"
 CACHE_DIR = Path(os.environ.get("CHAT_CACHE_DIR", REPO_ROOT / ".cache"))
 TRITON_HOME = CACHE_DIR / "tritonserver"
 
 log = logging.getLogger(__name__)
+
+# The APIs that change the server (load and unload models, even upload their files; register shared
+# memory; change logging and tracing) answer only requests with the header ``admin-key: $ADMIN_KEY``.
+# Inference, health, metadata, model configs and statistics stay open.
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes gRPC restriction headers
+
+
+def admin_key() -> str:
+    """``ADMIN_KEY`` from the environment; without it a random key nobody knows, so the restricted APIs
+    stay shut rather than open."""
+    return os.environ.get("ADMIN_KEY") or secrets.token_urlsafe(32)
 
 
 def _wheel_tree() -> tuple[Path, Path]:
@@ -68,6 +84,9 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra or {})
+    env.pop("ADMIN_KEY", None)  # it reaches tritonserver as an argument; the models have no use for it
+    if "MODEL_DIR" in env:  # serving/paths.py: models and tokenizers load only from inside MODEL_ROOTS
+        env.setdefault("MODEL_ROOTS", str(Path(env["MODEL_DIR"]).resolve().parent))
     return env
 
 
@@ -120,7 +139,8 @@ class TritonServer:
     """One tritonserver process on ``ensemble_repo/`` in explicit model control mode.
 
     Explicit mode with ``--load-model=*`` loads everything at start and lets operators reload one model
-    (for example ``preprocess`` with a new tokenizer) through the repository API without touching ``llm``.
+    (for example ``preprocess`` with a new tokenizer) through the repository API without touching ``llm``;
+    that API needs ``admin_key`` (``RESTRICTED_APIS``).
     """
 
     ports: Ports = field(default_factory=Ports.from_env)
@@ -129,7 +149,9 @@ class TritonServer:
     log_path: Path | None = None
     model_config_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    admin_key: str = field(default_factory=admin_key, repr=False)
     process: subprocess.Popen | None = None
+    watchdog: Watchdog | None = None  # started once ready: Triton 2.51 misses a dead Python stub
 
     @property
     def url(self) -> str:
@@ -151,6 +173,8 @@ class TritonServer:
             f"--grpc-port={self.ports.grpc}",
             f"--metrics-port={self.ports.metrics}",
             "--exit-timeout-secs=30",
+            f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
         ]
         if config_name:
             cmd.append(f"--model-config-name={config_name}")
@@ -176,6 +200,9 @@ class TritonServer:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self.log_hint()}")
             try:
                 if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
+                    if self.watchdog is None:
+                        self.watchdog = Watchdog(self.url, self.admin_key, python_models(self.model_repository),
+                                                 self.process.pid).start()
                     return
             except requests.RequestException:
                 pass
@@ -190,8 +217,14 @@ class TritonServer:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def loads(self, model: str) -> int:
+        """How often ``model`` loaded so far, by the log (tests tell a reload from none with it)."""
+        return self.log_path.read_text(errors="replace").count(f"successfully loaded '{model}'")
+
     def stop(self, timeout: float = 40.0) -> None:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group past the deadline."""
+        if self.watchdog:
+            self.watchdog.stop()
         if not self.process or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)

@@ -13,6 +13,7 @@ from llm.attention import use_grouped_attention
 from llm.engine import Engine, GenerationRequest, Metrics
 from llm.sampling import SamplingParams
 from serving.errors import InvalidInput
+from serving.paths import allowed_folder
 from serving.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,6 +31,8 @@ class LLMConfig:
     max_context_tokens: int = 0  # prompt + reply; 0 means the model's max_position_embeddings
     kv_cache_tokens: int = 16384  # KV budget in cache slots (rows x columns); see README for bytes
     max_running_requests: int = 32  # rows decoded together at most
+    max_queued_requests: int = 256  # waiting for the KV budget; more are refused at once (overloaded)
+    max_queue_seconds: float = 60.0  # a request that waited this long for room is refused (overloaded)
     max_stop_count: int = 8
     max_stop_bytes: int = 128  # each stop string, UTF-8
 
@@ -41,9 +44,12 @@ class LLMConfig:
                 f"parameter 'default_max_tokens' must be in [1, max_tokens_limit={self.max_tokens_limit}], "
                 f"got {self.default_max_tokens}"
             )
-        for name in ("kv_cache_tokens", "max_running_requests", "max_stop_count", "max_stop_bytes"):
+        for name in ("kv_cache_tokens", "max_running_requests", "max_queued_requests", "max_stop_count",
+                     "max_stop_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parameter '{name}' must be >= 1, got {getattr(self, name)}")
+        if not self.max_queue_seconds > 0:
+            raise ValueError(f"parameter 'max_queue_seconds' must be > 0, got {self.max_queue_seconds}")
         if self.max_context_tokens < 0:
             raise ValueError(f"parameter 'max_context_tokens' must be >= 0, got {self.max_context_tokens}")
 
@@ -85,14 +91,14 @@ class LLM:
         self.config = config
         self.device = device
         self.model = model or AutoModelForCausalLM.from_pretrained(
-            config.model_dir, dtype=resolve_dtype(config.dtype, device),
+            allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device),
             local_files_only=True, trust_remote_code=False,
         )
         self.model.to(device).eval()
         use_grouped_attention(self.model, device)
         # The model's own vocabulary turns ids into text for stop strings (postprocess checks that its
         # tokenizer shares it).
-        self.tokenizer = tokenizer or load_tokenizer(config.model_dir)
+        self.tokenizer = tokenizer or load_tokenizer(config.model_dir, "model_dir")
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         positions = getattr(self.model.config, "max_position_embeddings", None) or 2**31
@@ -113,7 +119,8 @@ class LLM:
     def engine(self, metrics: Metrics | None = None) -> Engine:
         return Engine(
             self.model, eos_ids=self.eos_ids, pad_id=self.pad_id, kv_cache_tokens=self.config.kv_cache_tokens,
-            max_batch_size=self.config.max_running_requests, decode=self.decode, metrics=metrics,
+            max_batch_size=self.config.max_running_requests, max_queued_requests=self.config.max_queued_requests,
+            max_queue_seconds=self.config.max_queue_seconds, decode=self.decode, metrics=metrics,
         )
 
     def decode(self, ids: list[int]) -> str:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from serving.paths import allowed_folder
 
-def load_tokenizer(tokenizer_dir: str) -> PreTrainedTokenizerBase:
-    path = Path(tokenizer_dir)
+
+def load_tokenizer(folder: str, parameter: str = "tokenizer_dir") -> PreTrainedTokenizerBase:
+    """The tokenizer in ``folder`` (the config ``parameter`` that named it, for errors)."""
+    path = allowed_folder(parameter, folder)
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-        raise ValueError(f"parameter 'tokenizer_dir': {tokenizer_dir} holds no Hugging Face tokenizer")
+        raise ValueError(f"parameter '{parameter}': {folder} holds no Hugging Face tokenizer")
     # Local folders only, and no code from the folder is ever executed.
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 

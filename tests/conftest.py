@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from client import ChatClient
 from launcher.model import prepare_default_model
 from launcher.triton import Ports, TritonServer
 
+ADMIN_KEY = "test-admin-key"
 _servers: list[TritonServer] = []
 
 
@@ -29,7 +31,10 @@ def tokenizer(model_dir: Path):
 @pytest.fixture(scope="session")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    triton = TritonServer(ports=Ports.free(), model_env={"MODEL_DIR": str(model_dir)}, log_path=log_path)
+    # Tokenizer copies live under pytest's temporary folder, so that is a model root too.
+    roots = os.pathsep.join([str(model_dir.parent), str(tmp_path_factory.getbasetemp())])
+    triton = TritonServer(ports=Ports.free(), model_env={"MODEL_DIR": str(model_dir), "MODEL_ROOTS": roots},
+                          log_path=log_path, admin_key=ADMIN_KEY)
     _servers.append(triton)
     triton.start()
     try:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -64,7 +66,24 @@ def test_launcher_serve_honours_the_port_variables_and_leaves_on_sigterm(model_d
             except requests.RequestException:
                 time.sleep(0.5)
         assert requests.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=10).status_code == 200
-        serve.send_signal(signal.SIGTERM)
+        url = f"http://127.0.0.1:{ports.http}/v2/models/ensemble/generate"
+        with ThreadPoolExecutor(1) as pool:  # SIGTERM mid-reply: that reply still completes, new ones are refused
+            body = {"text_input": "Tell me a story.", "max_tokens": 128, "ignore_eos": True}
+            in_flight = pool.submit(requests.post, url, json=body, timeout=120)
+            running = re.compile(r"^llm_requests_running\{.*\} 1$", re.M)
+            deadline = time.monotonic() + 60
+            while not running.search(requests.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=10).text):
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.1)
+            serve.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            try:
+                late = requests.post(url, json={"text_input": "Hi", "max_tokens": 2}, timeout=30)
+                assert late.status_code != 200 and late.json()["error"]
+            except requests.ConnectionError:
+                pass
+            reply = in_flight.result()
+        assert reply.status_code == 200 and reply.json()["completion_tokens"] == 128
         assert serve.wait(timeout=60) == 0
         with pytest.raises(requests.ConnectionError):
             requests.get(f"http://127.0.0.1:{ports.http}/v2/health/live", timeout=2)
@@ -78,6 +97,7 @@ def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_pa
     home = install_tritonserver()
     env = server_env({"MODEL_DIR": str(model_dir), "MODEL_REPOSITORY": str(MODEL_REPOSITORY)})
     env["PATH"] = f"{home / 'bin'}{os.pathsep}{env['PATH']}"
+    env["HTTP_PORT"] = str(ports.http)  # for the entrypoint's watchdog
     log = (tmp_path / "entrypoint.log").open("wb")
     proc = subprocess.Popen(
         [str(REPO_ROOT / "docker" / "entrypoint.sh"), f"--backend-directory={home / 'backends'}",
@@ -89,7 +109,9 @@ def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_pa
         server.wait_ready(timeout=300)
         reply = requests.post(f"{server.url}/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 4}, timeout=120)
         assert reply.status_code == 200 and reply.json()["text_output"].strip()
-        assert "serving llm on the CPU" in (tmp_path / "entrypoint.log").read_text()
+        log_text = (tmp_path / "entrypoint.log").read_text()
+        assert "serving llm on the CPU" in log_text and "ADMIN_KEY is not set" in log_text
+        assert requests.post(f"{server.url}/v2/repository/index", timeout=30).status_code == 403  # locked
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)

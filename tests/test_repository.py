@@ -127,7 +127,8 @@ def test_compose_publishes_tritons_ports_and_checks_readiness(compose, dockerfil
     published = {int(p.split(":")[-1]) for p in service["ports"]}
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split()}
     assert published == exposed == PORTS
-    assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
+    assert service["healthcheck"]["test"] == ["CMD", "python3", "-m", "launcher", "health"]
+    assert "CMD python3 -m launcher health" in dockerfile
 
 
 def test_compose_reserves_gpus_and_enough_shared_memory(compose):
@@ -180,3 +181,22 @@ def test_the_image_holds_every_package_the_models_import(dockerfile):
             needed.add(package)
             todo += list((REPO_ROOT / package).glob("*.py"))
     assert needed and needed <= copied, needed - copied
+
+
+def test_the_image_runs_as_a_non_root_user_that_owns_its_cache(dockerfile):
+    users = re.findall(r"^USER (\S+)$", dockerfile, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert f"chown -R {users[-1]} /opt/chat/cache" in dockerfile
+
+
+def test_launcher_and_image_restrict_the_same_admin_apis_with_the_key_from_the_environment(compose):
+    from launcher.triton import ADMIN_HEADER, RESTRICTED_APIS, TritonServer
+
+    entrypoint = (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
+    assert f'restricted="{RESTRICTED_APIS}:{ADMIN_HEADER}=${{ADMIN_KEY}}"' in entrypoint
+    assert '--http-restricted-api="$restricted" --grpc-restricted-protocol="$restricted"' in entrypoint
+    assert compose["services"]["triton"]["environment"]["ADMIN_KEY"] == "${ADMIN_KEY:-}"
+    command = TritonServer(admin_key="k").command()
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        assert f"{flag}={RESTRICTED_APIS}:{ADMIN_HEADER}=k" in command
+    assert set(RESTRICTED_APIS.split(",")) >= {"model-repository", "shared-memory"}

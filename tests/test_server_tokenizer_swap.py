@@ -4,38 +4,27 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from client.admin import swap_tokenizer
+from launcher.watchdog import stubs
 
 PIRATE = "You are a pirate captain. Answer every question like a pirate."
-
-
-def stub_pids(server, model: str) -> set[int]:
-    """PIDs of the Python stub processes that serve ``model`` for this server."""
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(args) > 5 and args[0].endswith(b"triton_python_backend_stub") \
-                and args[1].endswith(f"/{model}/1/model.py".encode()) and args[5] == str(server.process.pid).encode():
-            pids.add(int(proc.name))
-    return pids
-
-
-def loads(server, model: str) -> int:
-    return server.log_path.read_text(errors="replace").count(f"successfully loaded '{model}'")
 
 
 def preprocess_text(http_url: str, tokenizer, text: str) -> str:
     reply = requests.post(f"{http_url}/v2/models/preprocess/generate", json={"text_input": text}, timeout=60)
     assert reply.status_code == 200, reply.text
     return tokenizer.decode(reply.json()["input_ids"])
+
+
+def wait_for(condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
 
 
 class Traffic:
@@ -65,9 +54,9 @@ class Traffic:
 
 
 @pytest.fixture
-def restore_tokenizer(http_url, model_dir):
+def restore_tokenizer(server, http_url, model_dir):
     yield
-    swap_tokenizer(http_url, str(model_dir), ("preprocess", "postprocess"))
+    swap_tokenizer(http_url, str(model_dir), ("preprocess", "postprocess"), server.admin_key)
 
 
 def test_new_chat_template_takes_over_under_traffic_without_reloading_llm(
@@ -78,21 +67,21 @@ def test_new_chat_template_takes_over_under_traffic_without_reloading_llm(
     template.write_text(template.read_text().replace(
         "You are a helpful AI assistant named SmolLM, trained by Hugging Face", PIRATE))
     assert PIRATE not in preprocess_text(http_url, tokenizer, "Hi")
-    llm_pids, llm_loads = stub_pids(server, "llm"), loads(server, "llm")
+    llm_pids, llm_loads = stubs(server.process.pid).get("llm"), server.loads("llm")
     assert llm_pids
 
     with Traffic(generate) as traffic:
-        time.sleep(1)
-        swap_tokenizer(http_url, str(pirate))
+        wait_for(lambda: traffic.done >= 4)  # traffic flows before the swap
+        swap_tokenizer(http_url, str(pirate), admin_key=server.admin_key)
         served_at_swap = traffic.done
-        time.sleep(2)
+        wait_for(lambda: traffic.done >= served_at_swap + 4)  # and after it
 
     assert traffic.failures == [] and traffic.done > served_at_swap > 0
     assert PIRATE in preprocess_text(http_url, tokenizer, "Hi")
-    assert stub_pids(server, "llm") == llm_pids and loads(server, "llm") == llm_loads
+    assert stubs(server.process.pid).get("llm") == llm_pids and server.loads("llm") == llm_loads
 
 
-def test_tokenizer_with_another_vocabulary_gets_clear_errors(http_url, generate, tokenizer_copy, restore_tokenizer):
+def test_tokenizer_with_another_vocabulary_gets_clear_errors(server, http_url, generate, tokenizer_copy, restore_tokenizer):
     from transformers import AutoTokenizer
 
     bigger = tokenizer_copy("bigger")
@@ -100,16 +89,16 @@ def test_tokenizer_with_another_vocabulary_gets_clear_errors(http_url, generate,
     extended.add_tokens([f"<extra_{i}>" for i in range(8)])
     extended.save_pretrained(bigger)
 
-    swap_tokenizer(http_url, str(bigger), ("postprocess",))  # llm's vocabulary no longer matches postprocess
+    swap_tokenizer(http_url, str(bigger), ("postprocess",), server.admin_key)  # llm's vocabulary no longer matches postprocess
     reply = generate({"text_input": "Hi", "max_tokens": 4})
     assert reply.status_code == 400 and "does not match postprocess's tokenizer" in reply.json()["error"]
 
-    swap_tokenizer(http_url, str(bigger))  # preprocess too: its ids are not the llm model's
+    swap_tokenizer(http_url, str(bigger), admin_key=server.admin_key)  # preprocess too: its ids are not the llm model's
     reply = generate({"text_input": "Hi", "max_tokens": 4})
     assert reply.status_code == 400 and "does not match the llm model's vocabulary" in reply.json()["error"]
 
 
-def test_swapping_to_a_folder_without_a_tokenizer_keeps_the_old_one(http_url, generate, tmp_path, restore_tokenizer):
+def test_swapping_to_a_folder_without_a_tokenizer_keeps_the_old_one(server, http_url, generate, tmp_path, restore_tokenizer):
     with pytest.raises(RuntimeError, match="holds no Hugging Face tokenizer"):
-        swap_tokenizer(http_url, str(tmp_path))
+        swap_tokenizer(http_url, str(tmp_path), admin_key=server.admin_key)
     assert generate({"text_input": "Hi", "max_tokens": 4}).status_code == 200
