@@ -6,6 +6,10 @@ Each request carries its own sampler and stop conditions. Memory is bounded by a
 cache slots (rows x columns of the padded cache): a request is admitted only when the batch, grown to the
 longest reservation (prompt + max_tokens) of any member, still fits, so generation never runs out of
 room mid-reply. Waiting requests are admitted strictly first come, first served.
+
+Overload is refused, never absorbed: past ``max_queued_requests`` waiting, a new request is refused at
+once, and one that waited ``max_queue_seconds`` without room leaves with an error, so a burst neither
+grows memory without bound nor leaves clients hanging.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from transformers import DynamicCache, PreTrainedModel
 
 from llm import cache as kv
 from llm.sampling import Sampler, SamplingParams
+from serving.errors import OVERLOADED
 from serving.stops import find_stop
+
+
+class Overloaded(RuntimeError):
+    """The server is full; the message says which limit, and the client should retry later."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,9 @@ class Metrics:
     def step(self, running: int, waiting: int, kv_tokens: int) -> None:
         """After every step, forward pass or not."""
 
+    def rejected(self) -> None:
+        """A request refused for overload (queue full, or waited too long)."""
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -61,7 +73,7 @@ class Sequence:
     handle: Any = None  # the caller's token for this request (a Triton response sender in the server)
     stream: bool = False  # the caller wants every token, not only the end
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # stop, length, cancelled or error
+    finish_reason: str | None = None  # stop, length, cancelled, rejected (overload) or error
     error: str | None = None
     sent_tokens: int = 0  # output_ids already handed to the caller
     arrived: float = field(default_factory=time.perf_counter)
@@ -98,6 +110,8 @@ class Engine:
         pad_id: int,
         kv_cache_tokens: int,
         max_batch_size: int,
+        max_queued_requests: int = 256,
+        max_queue_seconds: float = 60.0,
         decode: Callable[[list[int]], str] | None = None,
         metrics: Metrics | None = None,
     ) -> None:
@@ -107,6 +121,8 @@ class Engine:
         self.pad_id = pad_id
         self.kv_cache_tokens = kv_cache_tokens
         self.max_batch_size = max_batch_size
+        self.max_queued_requests = max_queued_requests
+        self.max_queue_seconds = max_queue_seconds
         self.decode = decode
         self.metrics = metrics or Metrics()
         self.waiting: deque[Sequence] = deque()
@@ -121,6 +137,12 @@ class Engine:
         if seq.request.reserved_tokens > self.kv_cache_tokens:
             raise ValueError("a request larger than the KV budget can never run; validate() refuses it")
         with self._lock:
+            if len(self.waiting) >= self.max_queued_requests:
+                self.metrics.rejected()
+                raise Overloaded(
+                    f"{OVERLOADED}{len(self.waiting)} requests are already waiting for room in the KV budget "
+                    f"(max_queued_requests={self.max_queued_requests}); retry later"
+                )
             self.waiting.append(seq)
 
     def sequences(self) -> list[Sequence]:
@@ -148,7 +170,8 @@ class Engine:
 
         Returns the sequences that changed: a new token, or finished (cancelled ones included).
         """
-        changed = self._drop_finished()  # cancelled since the last step
+        self._expire_waiting()
+        changed = self._drop_finished()  # cancelled or expired since the last step
         admitted = self._admit()
         if admitted:
             for group in similar_lengths(admitted):
@@ -169,6 +192,16 @@ class Engine:
                 seq.finish_reason, seq.error = "error", error
         self.running, self.prefilling, self.cache, self.mask = [], [], None, None
         return failed
+
+    def _expire_waiting(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            expired = [s for s in self.waiting if not s.finished and now - s.arrived > self.max_queue_seconds]
+        for seq in expired:
+            seq.finish_reason = "rejected"
+            seq.error = (f"{OVERLOADED}waited {now - seq.arrived:.0f} s for room in the KV budget "
+                         f"(max_queue_seconds={self.max_queue_seconds:g}); retry later")
+            self.metrics.rejected()
 
     def _drop_finished(self) -> list[Sequence]:
         with self._lock:

@@ -20,3 +20,4 @@ def decode_utf8(field: str, raw: bytes) -> str:
 # message of an error but not its code, so this is how it still tells a failure from a client mistake.
 INTERNAL_ERROR = "internal error: "
 CANCELLED = "request cancelled"
+OVERLOADED = "overloaded: "  # leads a refusal for load (UNAVAILABLE): the client may retry later

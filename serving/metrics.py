@@ -14,7 +14,7 @@ TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
 class TritonMetrics(Metrics):
-    def __init__(self, model: str, version: str) -> None:
+    def __init__(self, model: str, version: str, kv_cache_tokens: int) -> None:
         labels = {"model": model, "version": version}
         families = []  # a family must outlive its metrics, so it lives as long as this object
 
@@ -34,6 +34,11 @@ class TritonMetrics(Metrics):
         self.running = _metric("llm_requests_running", "Requests in the running batch", gauge, labels)
         self.waiting = _metric("llm_requests_waiting", "Requests queued for the KV budget", gauge, labels)
         self.kv_tokens = _metric("llm_kv_cache_tokens", "KV cache slots in use (rows x columns)", gauge, labels)
+        self.kv_budget = _metric("llm_kv_cache_budget_tokens", "KV cache slots allowed (kv_cache_tokens)", gauge, labels)
+        self.kv_budget.set(kv_cache_tokens)
+        self.rejections = _metric(
+            "llm_requests_rejected_total", "Requests refused for overload (queue full or waited too long)", counter, labels
+        )
         self.ttft = _metric(
             "llm_time_to_first_token_seconds", "From arrival at llm to the first token", histogram, labels,
             buckets=TTFT_BUCKETS,
@@ -52,6 +57,9 @@ class TritonMetrics(Metrics):
 
     def forward(self, rows: int) -> None:
         self.forwards.increment(1)
+
+    def rejected(self) -> None:
+        self.rejections.increment(1)
 
     def step(self, running: int, waiting: int, kv_tokens: int) -> None:
         self.running.set(running)

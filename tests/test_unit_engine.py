@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.static_llm import StaticGenerator
 from llm import LLM, LLMConfig
 from llm.attention import NAME
-from llm.engine import Sequence, similar_lengths
+from llm.engine import Overloaded, Sequence, similar_lengths
 from serving.errors import InvalidInput
 from serving.stops import partial_stop_length, visible_text
 
@@ -111,6 +112,33 @@ def test_the_kv_budget_queues_requests_first_come_first_served(llm):
     assert all(s.finish_reason == "length" for s in seqs)
 
 
+def test_past_max_queued_requests_a_request_is_refused_at_once(llm):
+    llm.config = replace(llm.config, max_queued_requests=2)
+    engine = llm.engine()  # nothing admitted before a step, so every add waits
+    for _ in range(2):
+        engine.add(Sequence(llm.validate(PROMPTS[0], 16)))
+    with pytest.raises(Overloaded, match=r"overloaded: 2 requests are already waiting .*max_queued_requests=2"):
+        engine.add(Sequence(llm.validate(PROMPTS[0], 16)))
+    run(engine, [])
+    assert len(engine.waiting) == 0
+
+
+def test_a_request_waiting_past_max_queue_seconds_leaves_with_an_error(llm):
+    llm.config = replace(llm.config, max_queue_seconds=5.0)
+    engine = llm.engine()
+    seqs = [Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True)) for _ in range(12)]  # 10 fit the budget
+    for seq in seqs:
+        engine.add(seq)
+    engine.step()
+    late = seqs[-1]
+    late.arrived -= 10  # as if it had waited 10 s for room
+    changed = engine.step()
+    assert late in changed and late.finish_reason == "rejected" and late not in engine.waiting
+    assert "overloaded: waited 10 s for room in the KV budget (max_queue_seconds=5)" in late.error
+    run(engine, [])
+    assert [s.finish_reason for s in seqs].count("length") == 11
+
+
 def test_a_cancelled_row_leaves_at_the_next_step(llm):
     engine = llm.engine()
     long, short = Sequence(llm.validate(PROMPTS[1], 16)), Sequence(llm.validate(PROMPTS[0], 16))
@@ -152,6 +180,8 @@ def test_invalid_requests_name_the_field_and_limit(llm, ids, kwargs, message):
         ({"default_max_tokens": 600}, "parameter 'default_max_tokens'"),
         ({"max_context_tokens": -1}, "parameter 'max_context_tokens'"),
         ({"kv_cache_tokens": 0}, "parameter 'kv_cache_tokens'"),
+        ({"max_queued_requests": 0}, "parameter 'max_queued_requests'"),
+        ({"max_queue_seconds": 0.0}, "parameter 'max_queue_seconds'"),
     ],
 )
 def test_bad_llm_config_fails_the_load(kwargs, message):

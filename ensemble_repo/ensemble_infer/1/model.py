@@ -7,11 +7,12 @@ requests still join llm's running batch individually.
 """
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
-from serving.errors import CANCELLED, INTERNAL_ERROR
+from serving.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -20,6 +21,8 @@ def _error(message: str) -> "pb_utils.TritonError":
     """The ensemble's error with its code back: BLS keeps only the message, which says which it was."""
     if INTERNAL_ERROR in message:
         return pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
+    if OVERLOADED in message or "Exceeds maximum queue size" in message:  # llm's or Triton's queue is full
+        return pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
     if CANCELLED in message:
         return pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED)
     return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
@@ -30,17 +33,38 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o["name"] for o in config["output"]]
-        self.workers = ThreadPoolExecutor(max_workers=int(config["parameters"]["max_in_flight"]["string_value"]))
+        self.max_in_flight = int(config["parameters"]["max_in_flight"]["string_value"])
+        self.workers = ThreadPoolExecutor(max_workers=self.max_in_flight)
+        self.in_flight = 0  # a full pool would queue without bound; past max_in_flight, refuse instead
+        self.lock = threading.Lock()
 
     def execute(self, requests: list) -> None:
         for request in requests:
+            sender = request.get_response_sender()
+            with self.lock:
+                full = self.in_flight >= self.max_in_flight
+                self.in_flight += not full
+            if full:
+                message = f"{OVERLOADED}{self.max_in_flight} infer requests are in flight (max_in_flight); retry later"
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)), flags=FINAL)
+                continue
             # Copies: a request's own tensors are released when execute returns.
             tensors = (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs)
             inputs = [pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in tensors if t is not None]
-            self.workers.submit(self._answer, request.get_response_sender(), inputs)
+            self.workers.submit(self._answer, sender, inputs)
         return None
 
     def _answer(self, sender, inputs: list) -> None:
+        try:
+            reply = self._call(inputs)
+        except Exception as e:  # a failed BLS call must still answer its client
+            reply = pb_utils.InferenceResponse(output_tensors=[], error=_error(f"{INTERNAL_ERROR}{e}"))
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+        sender.send(reply, flags=FINAL)
+
+    def _call(self, inputs: list) -> "pb_utils.InferenceResponse":
         call = pb_utils.InferenceRequest(model_name="ensemble", requested_output_names=self.outputs, inputs=inputs)
         reply = None
         for response in call.exec(decoupled=True):
@@ -52,7 +76,7 @@ class TritonPythonModel:
             reply = pb_utils.InferenceResponse(
                 output_tensors=[], error=_error(INTERNAL_ERROR + "ensemble returned no response")
             )
-        sender.send(reply, flags=FINAL)
+        return reply
 
     def finalize(self) -> None:
         self.workers.shutdown(wait=True)

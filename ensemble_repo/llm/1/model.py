@@ -10,7 +10,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from llm import LLM, LLMConfig, configure_threads
-from llm.engine import Sequence
+from llm.engine import Overloaded, Sequence
 from llm.service import EngineLoop
 from serving import cancel
 from serving.errors import CANCELLED, INTERNAL_ERROR, InvalidInput, decode_utf8
@@ -42,7 +42,7 @@ class TritonPythonModel:
         self.llm = LLM(config, device)
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
         self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
-        engine = self.llm.engine(TritonMetrics(args["model_name"], args["model_version"]))
+        engine = self.llm.engine(TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens))
         self.loop = EngineLoop(engine, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
         pb_utils.Logger.log_info(
             f"llm: {config.model_dir} on {device} as {self.llm.model.dtype}, {threads} threads, "
@@ -61,7 +61,10 @@ class TritonPythonModel:
             except InvalidInput as e:
                 sender.send(error_response(e), flags=FINAL)
                 continue
-            self.loop.submit(seq)
+            try:
+                self.loop.submit(seq)
+            except Overloaded as e:
+                sender.send(error_response(e, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         return None
 
     def _validate(self, request):
@@ -85,6 +88,8 @@ class TritonPythonModel:
         flags = FINAL if seq.finished else 0
         if seq.finish_reason == "error":
             reply = error_response(INTERNAL_ERROR + seq.error, pb_utils.TritonError.INTERNAL)
+        elif seq.finish_reason == "rejected":
+            reply = error_response(seq.error, pb_utils.TritonError.UNAVAILABLE)
         elif seq.finish_reason == "cancelled":
             reply = error_response(CANCELLED, pb_utils.TritonError.CANCELLED)
         else:
