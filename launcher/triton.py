@@ -151,7 +151,7 @@ class TritonServer:
     extra_args: list[str] = field(default_factory=list)
     admin_key: str = field(default_factory=admin_key, repr=False)
     process: subprocess.Popen | None = None
-    watchdog: Watchdog | None = None  # started once ready: Triton 2.51 misses a dead Python stub
+    watchdog: Watchdog | None = None  # runs with the process: Triton 2.51 misses a dead Python stub
 
     @property
     def url(self) -> str:
@@ -190,6 +190,7 @@ class TritonServer:
             self.command(), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.watchdog = Watchdog(self.url, self.admin_key, python_models(self.model_repository), self.process.pid).start()
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
@@ -200,9 +201,6 @@ class TritonServer:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self.log_hint()}")
             try:
                 if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    if self.watchdog is None:
-                        self.watchdog = Watchdog(self.url, self.admin_key, python_models(self.model_repository),
-                                                 self.process.pid).start()
                     return
             except requests.RequestException:
                 pass

@@ -99,5 +99,7 @@ class Watchdog:
             try:
                 for model in sorted(dead_models(self.url, self.models, self.server_pid)):
                     self.recover(model)
+            except requests.ConnectionError as e:  # the server is starting or stopping
+                log.debug("watchdog: %s", e)
             except requests.RequestException as e:
                 log.warning("watchdog: %s (will retry)", e)
