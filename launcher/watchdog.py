@@ -1,11 +1,9 @@
 """Notice a Python stub process that died, and bring its model back.
 
-Measured on Triton 2.51: when a model's stub is killed (OOM killer, segfault), Triton does not notice.
-Health and model readiness keep answering 200, new requests fail at once with "Stub process '<model>_0_0'
-is not healthy.", requests that were in flight never get an answer (only the client's timeout ends
-them), and Triton never restarts the stub by itself. A plain load with the same config is a no-op;
-unload then load starts a fresh stub (about 15 s for llm on 2 cores). This watchdog does that, and
-``healthy`` tells the truth that ``/v2/health/ready`` does not.
+Triton 2.51 does not notice a dead stub (``serving/stubs.py`` has what it does instead) and never
+restarts one of a decoupled model. A plain load with the same config is a no-op; unload then load starts
+a fresh stub (about 15 s for llm on 2 cores). This watchdog does that, and ``healthy`` tells the truth
+that ``/v2/health/ready`` does not.
 """
 
 from __future__ import annotations
@@ -17,40 +15,19 @@ from pathlib import Path
 import requests
 
 from client.admin import ADMIN_HEADER
+from serving import stubs
 
 log = logging.getLogger(__name__)
-
-STUB = b"triton_python_backend_stub"
 
 
 def python_models(repository: Path) -> set[str]:
     return {p.parent.parent.name for p in repository.glob("*/1/model.py")}
 
 
-def stubs(server_pid: int | None = None) -> dict[str, set[int]]:
-    """PIDs of the Python stubs of each model (of one tritonserver, or of any)."""
-    found: dict[str, set[int]] = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        # The stub's arguments: model.py path, shm region, sizes, the parent tritonserver's pid, ...
-        if len(args) > 5 and args[0].endswith(STUB) and (server_pid is None or args[5] == str(server_pid).encode()):
-            model = Path(args[1].decode()).parent.parent.name
-            found.setdefault(model, set()).add(int(proc.name))
-    return found
-
-
-def ready_models(url: str, models: set[str]) -> set[str]:
-    """Those of ``models`` that Triton calls ready (an open API: no admin key needed)."""
-    return {m for m in models if requests.get(f"{url}/v2/models/{m}/ready", timeout=10).status_code == 200}
-
-
 def dead_models(url: str, models: set[str], server_pid: int | None = None) -> set[str]:
-    """Ready by Triton's account, with no stub left. An operator's unload is not ready; a reload keeps
-    the old stub until the new one runs."""
-    return ready_models(url, models) - set(stubs(server_pid))
+    """Ready by Triton's account (an open API: no admin key needed), with no stub left."""
+    return stubs.dead_models(models, lambda m: requests.get(f"{url}/v2/models/{m}/ready", timeout=10).status_code == 200,
+                             server_pid)
 
 
 def healthy(url: str, models: set[str], server_pid: int | None = None) -> bool:

@@ -80,6 +80,14 @@ def test_ensemble_infer_offers_the_ensemble_interface_without_stream():
     assert [(t.name, t.data_type) for t in infer.output] == [(t.name, t.data_type) for t in ensemble.output]
 
 
+def test_ensemble_infer_guards_every_decoupled_step_of_the_ensemble():
+    """A dead stub strands requests only in a decoupled model; the guard must watch each such step."""
+    steps = {s.model_name for s in config("ensemble").ensemble_scheduling.step}
+    decoupled = {m for m in steps if config(m).model_transaction_policy.decoupled}
+    guarded = config("ensemble_infer").parameters["guarded_models"].string_value.split(",")
+    assert decoupled == set(guarded) == {"llm"}
+
+
 def test_postprocess_sees_cancelled_requests():
     assert not config("postprocess").HasField("dynamic_batching")  # it would drop them unseen
 

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from client.admin import swap_tokenizer
-from launcher.watchdog import stubs
+from serving.stubs import stubs
 
 PIRATE = "You are a pirate captain. Answer every question like a pirate."
 

@@ -11,6 +11,7 @@ import itertools
 import json
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -26,7 +27,7 @@ from llm.service import EngineLoop
 
 
 class TritonError(Exception):
-    INVALID_ARG, INTERNAL, CANCELLED = "INVALID_ARG", "INTERNAL", "CANCELLED"
+    INVALID_ARG, INTERNAL, CANCELLED, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "CANCELLED", "UNAVAILABLE"
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -164,12 +165,16 @@ def test_llm_turns_a_failed_forward_pass_into_errors_and_keeps_serving(llm_model
     assert answers(later)[0].error is None
 
 
+def model_config(model: str) -> str:
+    """The config as Triton hands it to ``initialize``: JSON with the proto's field names."""
+    config = text_format.Parse((MODEL_REPOSITORY / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    return json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True))
+
+
 def test_preprocess_answers_the_good_requests_of_a_batch_with_bad_ones(load_model, model_dir, monkeypatch):
     monkeypatch.setenv("MODEL_DIR", str(model_dir))
     model = load_model("preprocess")
-    config = (MODEL_REPOSITORY / "preprocess" / "config.pbtxt").read_text()
-    parsed = json_format.MessageToDict(text_format.Parse(config, model_config_pb2.ModelConfig()), preserving_proto_field_name=True)
-    model.initialize({"model_config": json.dumps(parsed)})
+    model.initialize({"model_config": model_config("preprocess")})
 
     def text(raw: bytes) -> dict:
         return Request(text_input=Tensor("text_input", np.array([[raw]], dtype=np.object_)))
@@ -178,3 +183,41 @@ def test_preprocess_answers_the_good_requests_of_a_batch_with_bad_ones(load_mode
     assert [r.error.code if r.error else None for r in responses] == [None, "INVALID_ARG", "INVALID_ARG", None]
     assert "text_input is required" in str(responses[2].error)
     assert responses[0].outputs["input_ids"].shape[0] == 1
+
+
+def test_ensemble_infer_answers_calls_stranded_by_a_dead_stub_once_and_frees_their_slots(load_model):
+    """No llm stub runs here, so once llm is "ready" it is dead by the guard's account (ready, no stub)."""
+    release, ready = threading.Event(), threading.Event()
+
+    class StrandedCall:  # a BLS call to ensemble that the dead stub holds: it returns only when released
+        def __init__(self, **_) -> None:
+            pass
+
+        def exec(self, decoupled: bool):
+            release.wait()
+            return iter([InferenceResponse([Tensor("text_output", np.array([[b"late"]], dtype=np.object_))])])
+
+    pb_utils = sys.modules["triton_python_backend_utils"]
+    pb_utils.InferenceRequest, pb_utils.is_model_ready = StrandedCall, lambda model: ready.is_set()
+    model = load_model("ensemble_infer")
+    model.initialize({"model_config": model_config("ensemble_infer")})
+    model.in_flight.limit = 2
+    try:
+        batch = [Request(), Request(), Request()]
+        model.execute(batch)
+        assert "overloaded" in str(batch[2].sender.responses[0].error)  # past max_in_flight
+        time.sleep(2.5)  # two looks of the guard (one a second)
+        assert not any(r.sender.done.is_set() for r in batch[:2])  # llm not ready: nothing is dead
+        ready.set()
+        for request in batch[:2]:
+            assert request.sender.done.wait(10)
+            (response,) = request.sender.responses
+            assert response.error.code == "UNAVAILABLE"
+            assert "stub of 'llm' died with this request in flight" in str(response.error)
+        assert len(model.in_flight) == 0  # their slots are free, though their calls never returned
+        release.set()  # the stranded calls return at last: their late replies are dropped
+        time.sleep(0.5)
+        assert [len(r.sender.responses) for r in batch[:2]] == [1, 1]
+    finally:
+        release.set()
+        model.finalize()

@@ -1,20 +1,26 @@
 """Triton glue for ``ensemble_infer``: the KServe ``infer`` path (HTTP and gRPC unary) to ``ensemble``.
 
 Triton refuses ``infer`` on decoupled models, and ``ensemble`` is decoupled because ``llm`` streams. This
-model is not decoupled: each request becomes one non-streaming BLS call to ``ensemble`` on a worker
-thread, and its one response goes back through the response sender, so ``execute`` returns at once and
+model is not decoupled: each request becomes one non-streaming BLS call to ``ensemble`` on a thread of
+its own, and its one response goes back through the response sender, so ``execute`` returns at once and
 requests still join llm's running batch individually.
+
+If llm's stub dies, Triton 2.51 never answers the calls it held (``serving/stubs.py``); a guard thread
+notices within a second and answers them with a clear error, and the stranded threads are left behind.
 """
 
 import json
+import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
 from serving.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED
+from serving.inflight import InFlight
+from serving.stubs import dead_models
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+GUARD_SECONDS = 1.0
 
 
 def _error(message: str) -> "pb_utils.TritonError":
@@ -33,36 +39,60 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o["name"] for o in config["output"]]
-        self.max_in_flight = int(config["parameters"]["max_in_flight"]["string_value"])
-        self.workers = ThreadPoolExecutor(max_workers=self.max_in_flight)
-        self.in_flight = 0  # a full pool would queue without bound; past max_in_flight, refuse instead
-        self.lock = threading.Lock()
+        parameters = config["parameters"]
+        # Past max_in_flight, refuse: a thread each, and a call stranded by a dead stub never returns.
+        self.in_flight = InFlight(int(parameters["max_in_flight"]["string_value"]))
+        self.guarded = parameters["guarded_models"]["string_value"].split(",")
+        self.stopped = threading.Event()
+        self.guard = threading.Thread(target=self._guard, name="ensemble_infer-guard", daemon=True)
+        self.guard.start()
 
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
-            with self.lock:
-                full = self.in_flight >= self.max_in_flight
-                self.in_flight += not full
-            if full:
-                message = f"{OVERLOADED}{self.max_in_flight} infer requests are in flight (max_in_flight); retry later"
+            ticket = self.in_flight.admit(sender)
+            if ticket is None:
+                message = f"{OVERLOADED}{self.in_flight.limit} infer requests are in flight (max_in_flight); retry later"
                 sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)), flags=FINAL)
                 continue
             # Copies: a request's own tensors are released when execute returns.
             tensors = (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs)
             inputs = [pb_utils.Tensor(t.name(), t.as_numpy().copy()) for t in tensors if t is not None]
-            self.workers.submit(self._answer, sender, inputs)
+            threading.Thread(target=self._answer, args=(ticket, inputs), daemon=True).start()
         return None
 
-    def _answer(self, sender, inputs: list) -> None:
+    def _answer(self, ticket: int, inputs: list) -> None:
         try:
             reply = self._call(inputs)
         except Exception as e:  # a failed BLS call must still answer its client
             reply = pb_utils.InferenceResponse(output_tensors=[], error=_error(f"{INTERNAL_ERROR}{e}"))
-        finally:
-            with self.lock:
-                self.in_flight -= 1
-        sender.send(reply, flags=FINAL)
+        self._send(ticket, reply)
+
+    def _send(self, ticket: int, reply: "pb_utils.InferenceResponse") -> None:
+        sender = self.in_flight.finish(ticket)
+        if sender is not None:  # else the guard answered it already
+            sender.send(reply, flags=FINAL)
+
+    def _guard(self) -> None:
+        """While requests are in flight, look every second for a guarded model that died; if one did, no
+        request in flight can complete (each waits on it or is about to fail there), so answer them all."""
+        server = os.getppid()  # the tritonserver that launched this stub, and llm's
+        while not self.stopped.wait(GUARD_SECONDS):
+            if not len(self.in_flight):
+                continue
+            try:
+                dead = dead_models(self.guarded, pb_utils.is_model_ready, server)
+            except Exception as e:  # the guard must outlive a failed look
+                pb_utils.Logger.log_warn(f"ensemble_infer guard: {e}")
+                continue
+            if not dead:
+                continue
+            model, tickets = sorted(dead)[0], self.in_flight.tickets()
+            pb_utils.Logger.log_error(f"the Python stub of '{model}' died: answering {len(tickets)} infer requests in flight")
+            message = f"the Python stub of '{model}' died with this request in flight; it was not completed: retry"
+            for ticket in tickets:
+                self._send(ticket, pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)))
 
     def _call(self, inputs: list) -> "pb_utils.InferenceResponse":
         call = pb_utils.InferenceRequest(model_name="ensemble", requested_output_names=self.outputs, inputs=inputs)
@@ -79,4 +109,6 @@ class TritonPythonModel:
         return reply
 
     def finalize(self) -> None:
-        self.workers.shutdown(wait=True)
+        """Triton unloads this model only once every request has been answered; stranded threads stay."""
+        self.stopped.set()
+        self.guard.join()
