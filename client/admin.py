@@ -1,12 +1,14 @@
 """``python -m client.admin swap-tokenizer DIR``: swap the tokenizer live, without touching ``llm``.
 
 Triton runs in explicit model-control mode, so one model can be reloaded through the repository API
-(``POST /v2/repository/models/<name>/load`` with a config override). Triton loads the new ``preprocess``
-while the old one keeps serving, switches over, reloads the ``ensemble`` that depends on it, and leaves
-``llm`` alone. ``DIR`` is a path as the *server* sees it, inside one of its ``MODEL_ROOTS``.
+(a load with a config override). Triton loads the new ``preprocess`` while the old one keeps serving,
+switches over, reloads the ``ensemble`` that depends on it, and leaves ``llm`` alone. ``DIR`` is a path
+as the *server* sees it, inside one of its ``MODEL_ROOTS``.
 
-The repository API is restricted: requests carry the header ``admin-key`` with the server's
-``ADMIN_KEY`` (``--admin-key``, or the same environment variable here).
+Loads go over gRPC: while Triton 2.51's HTTP front end answers a load, its other connections wait
+(measured: 7 of 8 waited all of an 11.3 s swap over HTTP; over gRPC, none waited 30 ms). The repository
+API is restricted: requests carry the server's ``ADMIN_KEY`` (``--admin-key``, or the same environment
+variable here).
 """
 
 from __future__ import annotations
@@ -18,32 +20,37 @@ import sys
 
 from typing import Callable
 
-import requests
-
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 ADMIN_HEADER = "admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes gRPC restriction headers
 
 
-def reload_with_config(url: str, model: str, edit: Callable[[dict], None], change: str, admin_key: str | None = None,
-                       timeout: float = 600) -> None:
-    """Load ``model`` again with its served config changed by ``edit`` (``change`` says how, for errors).
+def reload_with_config(grpc_url: str, model: str, edit: Callable[[dict], None], change: str,
+                       admin_key: str | None = None, timeout: float = 600, unload_first: bool = False) -> None:
+    """Load ``model`` again, over gRPC, with its served config changed by ``edit`` (``change`` says how,
+    for errors); ``unload_first`` for a model whose stub died, which a plain load leaves as it is.
 
     Raises with Triton's message when the load fails (a wrong ``admin_key`` included); Triton then keeps
     serving the old model.
     """
     key = admin_key if admin_key is not None else os.environ.get("ADMIN_KEY", "")
-    base = url if url.startswith("http") else f"http://{url}"
-    config = requests.get(f"{base}/v2/models/{model}/config", timeout=30)
-    config.raise_for_status()
-    body = config.json()
-    edit(body)
-    load = requests.post(f"{base}/v2/repository/models/{model}/load",
-                         json={"parameters": {"config": json.dumps(body)}}, headers={ADMIN_HEADER: key}, timeout=timeout)
-    if load.status_code != 200:
-        raise RuntimeError(f"loading {model} with {change} failed: {load.text}")
+    headers = {GRPC_ADMIN_HEADER: key}
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        config = client.get_model_config(model, as_json=True, client_timeout=30)["config"]
+        edit(config)
+        if unload_first:
+            client.unload_model(model, headers=headers, client_timeout=timeout)
+        client.load_model(model, headers=headers, config=json.dumps(config), client_timeout=timeout)
+    except InferenceServerException as e:
+        raise RuntimeError(f"loading {model} with {change} failed: {e.message()}") from None
+    finally:
+        client.close()
 
 
-def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), admin_key: str | None = None,
+def swap_tokenizer(grpc_url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), admin_key: str | None = None,
                    timeout: float = 300) -> None:
     """Reload each model in ``models`` with ``tokenizer_dir``; raises with Triton's message on failure.
 
@@ -55,7 +62,7 @@ def swap_tokenizer(url: str, tokenizer_dir: str, models: tuple[str, ...] = ("pre
         config["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
 
     for name in models:
-        reload_with_config(url, name, use_tokenizer, f"tokenizer_dir={tokenizer_dir}", admin_key, timeout)
+        reload_with_config(grpc_url, name, use_tokenizer, f"tokenizer_dir={tokenizer_dir}", admin_key, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     swap = sub.add_parser("swap-tokenizer", help="load preprocess (and optionally postprocess) with a new tokenizer")
     swap.add_argument("tokenizer_dir", help="tokenizer folder, as a path on the server")
-    swap.add_argument("--url", default="localhost:8000", help="Triton HTTP host:port")
+    swap.add_argument("--url", default="localhost:8001", help="Triton gRPC host:port")
     swap.add_argument("--admin-key", default=None, help="the server's ADMIN_KEY (default: $ADMIN_KEY)")
     swap.add_argument("--with-postprocess", action="store_true",
                       help="also reload postprocess (the tokenizer that decodes replies)")
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     models = ("preprocess", "postprocess") if args.with_postprocess else ("preprocess",)
     try:
         swap_tokenizer(args.url, args.tokenizer_dir, models, args.admin_key)
-    except (RuntimeError, requests.RequestException) as e:
+    except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{', '.join(models)} now use {args.tokenizer_dir}")

@@ -93,7 +93,8 @@ def local_url() -> str:
 def watch() -> int:
     """The watchdog alone, next to a tritonserver started elsewhere (the image's entrypoint)."""
     repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
-    watchdog = Watchdog(local_url(), os.environ.get("ADMIN_KEY", ""), python_models(repository))
+    watchdog = Watchdog(local_url(), f"127.0.0.1:{Ports.from_env().grpc}", os.environ.get("ADMIN_KEY", ""),
+                        python_models(repository))
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         watchdog.run()

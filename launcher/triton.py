@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 # memory; change logging and tracing) answer only requests with the header ``admin-key: $ADMIN_KEY``.
 # Inference, health, metadata, model configs and statistics stay open.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
-GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes gRPC restriction headers
 
 
 def admin_key() -> str:
@@ -190,7 +189,8 @@ class TritonServer:
             self.command(), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.watchdog = Watchdog(self.url, self.admin_key, python_models(self.model_repository), self.process.pid).start()
+        self.watchdog = Watchdog(self.url, f"127.0.0.1:{self.ports.grpc}", self.admin_key, python_models(self.model_repository),
+                                 self.process.pid).start()
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:

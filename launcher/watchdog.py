@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from client.admin import ADMIN_HEADER
+from client.admin import reload_with_config
 from serving import stubs
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,10 @@ def healthy(url: str, models: set[str], server_pid: int | None = None) -> bool:
 class Watchdog:
     """A thread that checks every ``interval`` seconds and reloads a model whose stubs died."""
 
-    def __init__(self, url: str, admin_key: str, models: set[str], server_pid: int | None = None,
+    def __init__(self, url: str, grpc_url: str, admin_key: str, models: set[str], server_pid: int | None = None,
                  interval: float = 2.0) -> None:
-        self.url, self.admin_key, self.models, self.server_pid = url, admin_key, models, server_pid
+        self.url, self.grpc_url, self.admin_key = url, grpc_url, admin_key
+        self.models, self.server_pid = models, server_pid
         self.interval = interval
         self.recoveries: list[str] = []  # models brought back, in order (operators read it in the log)
         self._stop = threading.Event()
@@ -59,14 +60,11 @@ class Watchdog:
         self._thread.join()
 
     def recover(self, model: str) -> None:
-        """Unload, then load with the config it was serving (a swapped tokenizer stays swapped)."""
-        headers = {ADMIN_HEADER: self.admin_key}
+        """Unload, then load with the config it was serving (a swapped tokenizer stays swapped), over gRPC
+        so that the load does not hold up HTTP clients (``client/admin.py``)."""
         log.error("watchdog: the Python stub of '%s' died; unloading and loading it again", model)
-        config = requests.get(f"{self.url}/v2/models/{model}/config", timeout=30)
-        config.raise_for_status()
-        requests.post(f"{self.url}/v2/repository/models/{model}/unload", headers=headers, timeout=300).raise_for_status()
-        requests.post(f"{self.url}/v2/repository/models/{model}/load", headers=headers, timeout=600,
-                      json={"parameters": {"config": config.text}}).raise_for_status()
+        reload_with_config(self.grpc_url, model, lambda config: None, "the config it was serving", self.admin_key,
+                           unload_first=True)
         self.recoveries.append(model)
         log.warning("watchdog: '%s' is back", model)
 
@@ -78,5 +76,5 @@ class Watchdog:
                     self.recover(model)
             except requests.ConnectionError as e:  # the server is starting or stopping
                 log.debug("watchdog: %s", e)
-            except requests.RequestException as e:
+            except (requests.RequestException, RuntimeError) as e:
                 log.warning("watchdog: %s (will retry)", e)

@@ -2,14 +2,16 @@
 
 Measured on Triton 2.51: when a model's stub is killed (OOM killer, segfault), health and model readiness
 keep answering 200, and the requests a decoupled model's stub held are never answered (python_backend
-restarts a dead stub, and fails its requests, only for models that are not decoupled). A model that
-Triton calls ready but that has no stub process is therefore dead. The watchdog reloads it; ensemble_infer
-answers the requests it stranded.
+restarts a dead stub, and fails its requests, only for models that are not decoupled). Nor does Triton
+reap the killed process: it stays a zombie, while a stub that exits normally (an unload, the short-lived
+stub of every load) is reaped at once. So a model that Triton calls ready with no stub process is dead,
+and the watchdog reloads it; a stub turned zombie died, and ensemble_infer answers the requests it
+stranded, even after the watchdog has brought the model back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 STUB = b"triton_python_backend_stub"
@@ -43,3 +45,38 @@ def dead_models(models: Iterable[str], is_ready: Callable[[str], bool], server_p
         return set()
     ready = {m for m in missing if is_ready(m)}
     return ready - set(stubs(server_pid)) if ready else set()
+
+
+def zombies(pids: Iterable[int]) -> set[int]:
+    """Those of ``pids`` that exited and were never reaped."""
+    found = set()
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # reaped, or never there
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":  # the state follows "(comm)"
+            found.add(pid)
+    return found
+
+
+class DeathWatch:
+    """Reports, once each, the stubs of ``models`` that died: seen alive, then a zombie in two looks in a
+    row (the second look rules out the instant between a normal exit and its reaping)."""
+
+    def __init__(self, models: Collection[str], server_pid: int | None = None) -> None:
+        self.models, self.server_pid = set(models), server_pid
+        self.alive: dict[int, str] = {}  # pid -> model, for every stub seen alive and not yet reported
+        self.suspects: set[int] = set()
+
+    def look(self) -> set[str]:
+        """The models that lost a stub since the look before last; call it every second or so."""
+        running = stubs(self.server_pid)
+        live = {pid: model for model in self.models for pid in running.get(model, ())}
+        self.alive.update(live)
+        zombie = zombies(set(self.alive) - set(live))
+        dead, self.suspects = zombie & self.suspects, zombie - self.suspects
+        died = {self.alive[pid] for pid in dead}
+        for pid in set(self.alive) - set(live) - self.suspects:  # reported now, or reaped (a normal exit)
+            del self.alive[pid]
+        return died

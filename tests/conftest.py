@@ -49,6 +49,11 @@ def http_url(server: TritonServer) -> str:
     return server.url
 
 
+@pytest.fixture(scope="session")
+def grpc_url(server: TritonServer) -> str:
+    return f"127.0.0.1:{server.ports.grpc}"
+
+
 @pytest.fixture
 def generate(http_url: str):
     """POST to the ensemble's ``generate`` endpoint; returns the ``requests`` response."""

@@ -18,7 +18,7 @@ LONG, SHORT = 160, 24
 
 
 @pytest.fixture
-def tight_llm(server, http_url):
+def tight_llm(server, http_url, grpc_url):
     """``llm`` reloaded with a tiny budget and queue, then restored as it was."""
     served = requests.get(f"{http_url}/v2/models/llm/config", timeout=30).json()
 
@@ -26,9 +26,9 @@ def tight_llm(server, http_url):
         for key, value in LIMITS.items():
             config["parameters"][key]["string_value"] = str(value)
 
-    reload_with_config(http_url, "llm", tighten, "tight limits", server.admin_key)
+    reload_with_config(grpc_url, "llm", tighten, "tight limits", server.admin_key)
     yield
-    reload_with_config(http_url, "llm", lambda config: config.update(served), "its own config", server.admin_key)
+    reload_with_config(grpc_url, "llm", lambda config: config.update(served), "its own config", server.admin_key)
 
 
 def test_a_burst_above_the_kv_budget_is_answered_or_refused_never_lost(server, http_url, llm_metric, tight_llm):

@@ -12,8 +12,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from client.admin import swap_tokenizer
-from launcher.triton import ADMIN_HEADER, CACHE_DIR, GRPC_ADMIN_HEADER
+from client.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER, swap_tokenizer
+from launcher.triton import CACHE_DIR
 
 WRONG = {ADMIN_HEADER: "not-the-key"}
 
@@ -60,9 +60,9 @@ def test_inference_health_metadata_and_statistics_need_no_key(server, http_url, 
     assert requests.get(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=30).status_code == 200
 
 
-def test_authenticated_tokenizer_swap_reloads_preprocess(server, http_url, model_dir, generate):
+def test_authenticated_tokenizer_swap_reloads_preprocess(server, grpc_url, model_dir, generate):
     before = server.loads("preprocess")
-    swap_tokenizer(http_url, str(model_dir), admin_key=server.admin_key)
+    swap_tokenizer(grpc_url, str(model_dir), admin_key=server.admin_key)
     assert server.loads("preprocess") == before + 1
     assert generate({"text_input": "Hi", "max_tokens": 2}).status_code == 200
 
@@ -77,10 +77,10 @@ def outside_roots(model_dir):
     shutil.rmtree(folder)
 
 
-def test_folders_outside_model_roots_are_refused_even_through_a_symlink(server, http_url, generate, outside_roots, tmp_path):
+def test_folders_outside_model_roots_are_refused_even_through_a_symlink(server, grpc_url, generate, outside_roots, tmp_path):
     link = tmp_path / "link"  # tmp_path is inside MODEL_ROOTS; what it points to is not
     link.symlink_to(outside_roots)
     for folder in (outside_roots, link):
         with pytest.raises(RuntimeError, match="outside MODEL_ROOTS"):
-            swap_tokenizer(http_url, str(folder), admin_key=server.admin_key)
+            swap_tokenizer(grpc_url, str(folder), admin_key=server.admin_key)
     assert generate({"text_input": "Hi", "max_tokens": 2}).status_code == 200

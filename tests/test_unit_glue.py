@@ -186,8 +186,7 @@ def test_preprocess_answers_the_good_requests_of_a_batch_with_bad_ones(load_mode
 
 
 def test_ensemble_infer_answers_calls_stranded_by_a_dead_stub_once_and_frees_their_slots(load_model):
-    """No llm stub runs here, so once llm is "ready" it is dead by the guard's account (ready, no stub)."""
-    release, ready = threading.Event(), threading.Event()
+    release, died = threading.Event(), threading.Event()
 
     class StrandedCall:  # a BLS call to ensemble that the dead stub holds: it returns only when released
         def __init__(self, **_) -> None:
@@ -197,24 +196,25 @@ def test_ensemble_infer_answers_calls_stranded_by_a_dead_stub_once_and_frees_the
             release.wait()
             return iter([InferenceResponse([Tensor("text_output", np.array([[b"late"]], dtype=np.object_))])])
 
-    pb_utils = sys.modules["triton_python_backend_utils"]
-    pb_utils.InferenceRequest, pb_utils.is_model_ready = StrandedCall, lambda model: ready.is_set()
+    sys.modules["triton_python_backend_utils"].InferenceRequest = StrandedCall
     model = load_model("ensemble_infer")
     model.initialize({"model_config": model_config("ensemble_infer")})
+    model.deaths.look = lambda: {"llm"} if died.is_set() else set()  # DeathWatch itself: test_unit_stubs.py
     model.in_flight.limit = 2
     try:
         batch = [Request(), Request(), Request()]
         model.execute(batch)
         assert "overloaded" in str(batch[2].sender.responses[0].error)  # past max_in_flight
-        time.sleep(2.5)  # two looks of the guard (one a second)
-        assert not any(r.sender.done.is_set() for r in batch[:2])  # llm not ready: nothing is dead
-        ready.set()
+        time.sleep(1.5)  # a look of the guard: nothing died, nothing answered
+        assert not any(r.sender.done.is_set() for r in batch[:2])
+        died.set()
         for request in batch[:2]:
             assert request.sender.done.wait(10)
             (response,) = request.sender.responses
             assert response.error.code == "UNAVAILABLE"
             assert "stub of 'llm' died with this request in flight" in str(response.error)
         assert len(model.in_flight) == 0  # their slots are free, though their calls never returned
+        died.clear()
         release.set()  # the stranded calls return at last: their late replies are dropped
         time.sleep(0.5)
         assert [len(r.sender.responses) for r in batch[:2]] == [1, 1]

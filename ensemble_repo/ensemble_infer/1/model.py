@@ -6,7 +6,7 @@ its own, and its one response goes back through the response sender, so ``execut
 requests still join llm's running batch individually.
 
 If llm's stub dies, Triton 2.51 never answers the calls it held (``serving/stubs.py``); a guard thread
-notices within a second and answers them with a clear error, and the stranded threads are left behind.
+notices within two seconds and answers them with a clear error, and the stranded threads are left behind.
 """
 
 import json
@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from serving.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED
 from serving.inflight import InFlight
-from serving.stubs import dead_models
+from serving.stubs import DeathWatch
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GUARD_SECONDS = 1.0
@@ -42,7 +42,8 @@ class TritonPythonModel:
         parameters = config["parameters"]
         # Past max_in_flight, refuse: a thread each, and a call stranded by a dead stub never returns.
         self.in_flight = InFlight(int(parameters["max_in_flight"]["string_value"]))
-        self.guarded = parameters["guarded_models"]["string_value"].split(",")
+        # The tritonserver that launched this stub launched llm's too.
+        self.deaths = DeathWatch(parameters["guarded_models"]["string_value"].split(","), os.getppid())
         self.stopped = threading.Event()
         self.guard = threading.Thread(target=self._guard, name="ensemble_infer-guard", daemon=True)
         self.guard.start()
@@ -74,14 +75,11 @@ class TritonPythonModel:
             sender.send(reply, flags=FINAL)
 
     def _guard(self) -> None:
-        """While requests are in flight, look every second for a guarded model that died; if one did, no
-        request in flight can complete (each waits on it or is about to fail there), so answer them all."""
-        server = os.getppid()  # the tritonserver that launched this stub, and llm's
+        """Every second, look for a guarded model's stub that died. If one did, answer every request in
+        flight: no telling which ones it held, and the rest are about to fail there or can be retried."""
         while not self.stopped.wait(GUARD_SECONDS):
-            if not len(self.in_flight):
-                continue
             try:
-                dead = dead_models(self.guarded, pb_utils.is_model_ready, server)
+                dead = self.deaths.look()
             except Exception as e:  # the guard must outlive a failed look
                 pb_utils.Logger.log_warn(f"ensemble_infer guard: {e}")
                 continue

@@ -1,0 +1,61 @@
+"""DeathWatch on real processes standing in for stubs: a killed one is reported once, a normal exit never."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from serving import stubs
+from serving.stubs import DeathWatch, zombies
+
+
+@pytest.fixture
+def fake_stubs(monkeypatch):
+    """Children of this test run as the 'llm' and 'preprocess' stubs of this process (the server)."""
+    children: dict[str, list[subprocess.Popen]] = {"llm": [], "preprocess": []}
+
+    def running(server_pid=None) -> dict[str, set[int]]:
+        return {model: {c.pid for c in procs if c.returncode is None and not zombies([c.pid])}
+                for model, procs in children.items()}
+
+    monkeypatch.setattr(stubs, "stubs", running)
+    yield children
+    for procs in children.values():
+        for child in procs:
+            child.kill()
+            child.wait()
+
+
+def start(children: dict, model: str) -> subprocess.Popen:
+    child = subprocess.Popen(["sleep", "60"])
+    children[model].append(child)
+    return child
+
+
+def test_a_killed_stub_is_reported_once_after_two_looks(fake_stubs):
+    watch = DeathWatch(["llm"], os.getpid())
+    victim = start(fake_stubs, "llm")
+    assert watch.look() == set()
+    os.kill(victim.pid, signal.SIGKILL)  # not reaped: a zombie, as Triton 2.51 leaves a killed stub
+    time.sleep(0.2)
+    assert zombies([victim.pid]) == {victim.pid}
+    assert watch.look() == set()  # one look could be the instant before a normal exit is reaped
+    assert watch.look() == {"llm"}
+    assert watch.look() == set()  # once
+    start(fake_stubs, "llm")  # the watchdog's reload
+    assert watch.look() == set()
+
+
+def test_a_normal_exit_and_unwatched_models_are_not_deaths(fake_stubs):
+    watch = DeathWatch(["llm"], os.getpid())
+    leaving, other = start(fake_stubs, "llm"), start(fake_stubs, "preprocess")
+    assert watch.look() == set()
+    leaving.terminate()
+    leaving.wait()  # reaped at once, as Triton reaps a stub it unloads
+    os.kill(other.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert [watch.look() for _ in range(3)] == [set(), set(), set()]
