@@ -18,7 +18,7 @@ fi
 export MODEL_ROOTS="${MODEL_ROOTS:-/opt/chat/cache/models:/models}"
 restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
 # Triton 2.51 does not notice a Python stub that dies; the watchdog reloads its model (launcher/watchdog.py).
-ADMIN_KEY="$ADMIN_KEY" HTTP_PORT="${HTTP_PORT:-8000}" python3 -m launcher watch &  # a generated key is not exported
+ADMIN_KEY="$ADMIN_KEY" HTTP_PORT="${HTTP_PORT:-8000}" GRPC_PORT="${GRPC_PORT:-8001}" python3 -m launcher watch &  # a generated key is not exported
 unset ADMIN_KEY  # the models have no use for it
 # Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
 # exec: tritonserver replaces this shell as PID 1, so docker stop's SIGTERM reaches it, and it drains
