@@ -20,9 +20,11 @@ restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
 # Triton 2.51 does not notice a Python stub that dies; the watchdog reloads its model (launcher/watchdog.py).
 ADMIN_KEY="$ADMIN_KEY" HTTP_PORT="${HTTP_PORT:-8000}" GRPC_PORT="${GRPC_PORT:-8001}" python3 -m launcher watch &  # a generated key is not exported
 unset ADMIN_KEY  # the models have no use for it
+# thread-pool-size: the Python backend's threads per model instance (launcher/triton.py says why).
 # Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
 # exec: tritonserver replaces this shell as PID 1, so docker stop's SIGTERM reaches it, and it drains
 # in-flight requests for up to --exit-timeout-secs before it exits.
 exec tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \
-  --load-model='*' --exit-timeout-secs=30 --http-restricted-api="$restricted" --grpc-restricted-protocol="$restricted" \
+  --load-model='*' --exit-timeout-secs=30 --backend-config=python,thread-pool-size=512 \
+  --http-restricted-api="$restricted" --grpc-restricted-protocol="$restricted" \
   $config "$@"

@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 # Inference, health, metadata, model configs and statistics stay open.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 
+# Threads of the Python backend beside each model instance (2.51's default is 32). Each BLS call to
+# ensemble holds one until its answer comes, so ensemble_infer's max_in_flight needs as many, and a call
+# stranded by a dead stub holds its thread for good: with the default, 40 infer requests in flight at a
+# kill left ensemble_infer unable to answer anything, their guard's errors included (measured).
+PYTHON_BACKEND_THREADS = 512
+
 
 def admin_key() -> str:
     """``ADMIN_KEY`` from the environment; without it a random key nobody knows, so the restricted APIs
@@ -172,6 +178,7 @@ class TritonServer:
             f"--grpc-port={self.ports.grpc}",
             f"--metrics-port={self.ports.metrics}",
             "--exit-timeout-secs=30",
+            f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}",
             f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
             f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
         ]

@@ -208,3 +208,13 @@ def test_launcher_and_image_restrict_the_same_admin_apis_with_the_key_from_the_e
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
         assert f"{flag}={RESTRICTED_APIS}:{ADMIN_HEADER}=k" in command
     assert set(RESTRICTED_APIS.split(",")) >= {"model-repository", "shared-memory"}
+
+
+def test_launcher_and_image_give_the_python_backend_threads_for_every_infer_call_and_then_some():
+    from launcher.triton import PYTHON_BACKEND_THREADS, TritonServer
+
+    flag = f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}"
+    assert flag in TritonServer(admin_key="k").command()
+    assert flag in (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
+    max_in_flight = int(config("ensemble_infer").parameters["max_in_flight"].string_value)
+    assert PYTHON_BACKEND_THREADS >= max_in_flight + 128  # room left for calls stranded by dead stubs

@@ -15,7 +15,10 @@ from launcher.watchdog import healthy, python_models
 from serving.stubs import stubs
 
 
-def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url):
+INFER_IN_FLIGHT = 40  # more than the Python backend's default 32 threads, which they would all strand
+
+
+def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm_metric):
     (victim,) = stubs(server.process.pid)["llm"]
     story = {"text_input": "Tell me a long story.", "max_tokens": 200, "ignore_eos": True}
     infer = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [story["text_input"]]},
@@ -29,10 +32,10 @@ def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url):
         except requests.Timeout:
             return "client timeout"
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(1 + INFER_IN_FLIGHT) as pool:
         lost = pool.submit(in_flight, "ensemble/generate", story)
-        answered = pool.submit(in_flight, "ensemble_infer/infer", infer)
-        time.sleep(2)
+        answered = [pool.submit(in_flight, "ensemble_infer/infer", infer) for _ in range(INFER_IN_FLIGHT)]
+        time.sleep(3)
         os.kill(victim, signal.SIGKILL)
         outage, deadline = [], time.monotonic() + 180
         while True:  # until llm answers again: every reply meanwhile is a clear error, none hangs
@@ -44,7 +47,11 @@ def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url):
             time.sleep(0.5)
         # Triton 2.51 never answers a generate request the dead stub held; ensemble_infer's guard answers its own.
         assert lost.result() == "client timeout"
-        assert answered.result().startswith("503 ") and "stub of 'llm' died with this request in flight" in answered.result()
+        for reply in (a.result() for a in answered):
+            assert reply.startswith("503 ") and "stub of 'llm' died with this request in flight" in reply, reply
+    assert llm_metric("ensemble_infer_stranded_calls_total") == INFER_IN_FLIGHT
+    after = requests.post(f"{http_url}/v2/models/ensemble_infer/infer", json=infer | {"inputs": infer["inputs"][:1]}, timeout=60)
+    assert after.status_code == 200, after.text  # the stranded calls left ensemble_infer threads to work with
     assert server.watchdog.recoveries == ["llm"]
     assert stubs(server.process.pid)["llm"] != {victim}
     # Before the watchdog acts: the dead stub; while it reloads llm: the ensemble has no version.

@@ -78,10 +78,29 @@ class Request(dict):
         return self.sender
 
 
+class Counter:
+    def __init__(self, **_) -> None:
+        self.value = 0
+
+    def increment(self, by: int) -> None:
+        self.value += by
+
+
+class MetricFamily:
+    COUNTER = "counter"
+
+    def __init__(self, **_) -> None:
+        pass
+
+    def Metric(self, **kwargs) -> Counter:  # noqa: N802 (python_backend's name)
+        return Counter(**kwargs)
+
+
 def fake_pb_utils() -> types.ModuleType:
     module = types.ModuleType("triton_python_backend_utils")
     module.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     module.Tensor, module.InferenceResponse, module.TritonError = Tensor, InferenceResponse, TritonError
+    module.MetricFamily = MetricFamily
     module.get_input_tensor_by_name = lambda request, name: request.get(name)
     module.Logger = types.SimpleNamespace(log_info=print, log_verbose=print, log_error=print, log_warn=print)
     return module
@@ -198,7 +217,7 @@ def test_ensemble_infer_answers_calls_stranded_by_a_dead_stub_once_and_frees_the
 
     sys.modules["triton_python_backend_utils"].InferenceRequest = StrandedCall
     model = load_model("ensemble_infer")
-    model.initialize({"model_config": model_config("ensemble_infer")})
+    model.initialize({"model_config": model_config("ensemble_infer"), "model_name": "ensemble_infer", "model_version": "1"})
     model.deaths.look = lambda: {"llm"} if died.is_set() else set()  # DeathWatch itself: test_unit_stubs.py
     model.in_flight.limit = 2
     try:
@@ -214,6 +233,7 @@ def test_ensemble_infer_answers_calls_stranded_by_a_dead_stub_once_and_frees_the
             assert response.error.code == "UNAVAILABLE"
             assert "stub of 'llm' died with this request in flight" in str(response.error)
         assert len(model.in_flight) == 0  # their slots are free, though their calls never returned
+        assert model.stranded.value == 2
         died.clear()
         release.set()  # the stranded calls return at last: their late replies are dropped
         time.sleep(0.5)

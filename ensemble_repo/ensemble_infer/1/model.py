@@ -44,6 +44,12 @@ class TritonPythonModel:
         self.in_flight = InFlight(int(parameters["max_in_flight"]["string_value"]))
         # The tritonserver that launched this stub launched llm's too.
         self.deaths = DeathWatch(parameters["guarded_models"]["string_value"].split(","), os.getppid())
+        # A family must outlive its metric.
+        self.stranded_family = pb_utils.MetricFamily(
+            name="ensemble_infer_stranded_calls_total", kind=pb_utils.MetricFamily.COUNTER,
+            description="infer calls in flight when a guarded stub died, answered by the guard; those the dead "
+                        "stub held keep a Python backend thread (thread-pool-size) until the server restarts")
+        self.stranded = self.stranded_family.Metric(labels={"model": args["model_name"], "version": args["model_version"]})
         self.stopped = threading.Event()
         self.guard = threading.Thread(target=self._guard, name="ensemble_infer-guard", daemon=True)
         self.guard.start()
@@ -91,6 +97,7 @@ class TritonPythonModel:
             for ticket in tickets:
                 self._send(ticket, pb_utils.InferenceResponse(
                     output_tensors=[], error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)))
+            self.stranded.increment(len(tickets))
 
     def _call(self, inputs: list) -> "pb_utils.InferenceResponse":
         call = pb_utils.InferenceRequest(model_name="ensemble", requested_output_names=self.outputs, inputs=inputs)
