@@ -162,6 +162,10 @@ class TritonServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.ports.http}"
 
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
     def command(self) -> list[str]:
         home = install_tritonserver()
         config_name = self.model_config_name
@@ -196,7 +200,7 @@ class TritonServer:
             self.command(), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.watchdog = Watchdog(self.url, f"127.0.0.1:{self.ports.grpc}", self.admin_key, python_models(self.model_repository),
+        self.watchdog = Watchdog(self.url, self.grpc_url, self.admin_key, python_models(self.model_repository),
                                  self.process.pid).start()
         return self
 

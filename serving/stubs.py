@@ -74,9 +74,10 @@ class DeathWatch:
         running = stubs(self.server_pid)
         live = {pid: model for model in self.models for pid in running.get(model, ())}
         self.alive.update(live)
-        zombie = zombies(set(self.alive) - set(live))
+        gone = set(self.alive) - set(live)
+        zombie = zombies(gone)
         dead, self.suspects = zombie & self.suspects, zombie - self.suspects
         died = {self.alive[pid] for pid in dead}
-        for pid in set(self.alive) - set(live) - self.suspects:  # reported now, or reaped (a normal exit)
+        for pid in gone - self.suspects:  # reported now, or reaped (a normal exit)
             del self.alive[pid]
         return died

@@ -51,7 +51,7 @@ def http_url(server: TritonServer) -> str:
 
 @pytest.fixture(scope="session")
 def grpc_url(server: TritonServer) -> str:
-    return f"127.0.0.1:{server.ports.grpc}"
+    return server.grpc_url
 
 
 @pytest.fixture

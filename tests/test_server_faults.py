@@ -50,7 +50,7 @@ def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm
         for reply in (a.result() for a in answered):
             assert reply.startswith("503 ") and "stub of 'llm' died with this request in flight" in reply, reply
     assert llm_metric("ensemble_infer_stranded_calls_total") == INFER_IN_FLIGHT
-    after = requests.post(f"{http_url}/v2/models/ensemble_infer/infer", json=infer | {"inputs": infer["inputs"][:1]}, timeout=60)
+    after = requests.post(f"{http_url}/v2/models/ensemble_infer/infer", json={"inputs": infer["inputs"][:1]}, timeout=60)
     assert after.status_code == 200, after.text  # the stranded calls left ensemble_infer threads to work with
     assert server.watchdog.recoveries == ["llm"]
     assert stubs(server.process.pid)["llm"] != {victim}

@@ -128,6 +128,7 @@ def test_a_swap_holds_up_no_http_connection(server, http_url, grpc_url, tokenize
         stop.set()
         for t in pollers:
             t.join()
+
     def longest_wait(times: list[float]) -> float:
         during = [start, *(t for t in times if start < t < end), end]
         return max(b - a for a, b in zip(during, during[1:]))
