@@ -1,7 +1,11 @@
-"""Kill llm's Python stub mid-traffic: clear errors meanwhile, and the watchdog brings llm back."""
+"""Kill llm's Python stub mid-traffic: clear errors meanwhile, and the watchdog brings llm back.
+
+The figures (seconds from the kill to the infer answers, and to the first generate answered again) go to
+.cache/faults.json."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from launcher.triton import CACHE_DIR
 from launcher.watchdog import healthy, python_models
 from serving.stubs import stubs
 
@@ -25,30 +30,37 @@ def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm
                         {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [200]},
                         {"name": "ignore_eos", "datatype": "BOOL", "shape": [1, 1], "data": [True]}]}
 
-    def in_flight(path: str, body: dict) -> str:
+    def in_flight(path: str, body: dict) -> tuple[str, float]:
+        """The reply, and when it came (``time.monotonic()``)."""
         try:
             reply = requests.post(f"{http_url}/v2/models/{path}", json=body, timeout=30)
-            return f"{reply.status_code} {reply.text}"
+            return f"{reply.status_code} {reply.text}", time.monotonic()
         except requests.Timeout:
-            return "client timeout"
+            return "client timeout", time.monotonic()
 
     with ThreadPoolExecutor(1 + INFER_IN_FLIGHT) as pool:
         lost = pool.submit(in_flight, "ensemble/generate", story)
         answered = [pool.submit(in_flight, "ensemble_infer/infer", infer) for _ in range(INFER_IN_FLIGHT)]
         time.sleep(3)
         os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
         outage, deadline = [], time.monotonic() + 180
         while True:  # until llm answers again: every reply meanwhile is a clear error, none hangs
             reply = requests.post(f"{http_url}/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 2}, timeout=60)
             if reply.status_code == 200:
+                back = time.monotonic()
                 break
             outage.append(reply.json()["error"])
             assert time.monotonic() < deadline, outage[-3:]
             time.sleep(0.5)
         # Triton 2.51 never answers a generate request the dead stub held; ensemble_infer's guard answers its own.
-        assert lost.result() == "client timeout"
-        for reply in (a.result() for a in answered):
+        assert lost.result()[0] == "client timeout"
+        for reply, _ in (a.result() for a in answered):
             assert reply.startswith("503 ") and "stub of 'llm' died with this request in flight" in reply, reply
+    after_kill = [at - killed for _, at in (a.result() for a in answered)]
+    figures = {"infer_in_flight": INFER_IN_FLIGHT, "infer_answered_after_kill_s": [round(min(after_kill), 2), round(max(after_kill), 2)],
+               "generate_answered_after_kill_s": round(back - killed, 2)}
+    (CACHE_DIR / "faults.json").write_text(json.dumps(figures, indent=2))
     assert llm_metric("ensemble_infer_stranded_calls_total") == INFER_IN_FLIGHT
     after = requests.post(f"{http_url}/v2/models/ensemble_infer/infer", json={"inputs": infer["inputs"][:1]}, timeout=60)
     assert after.status_code == 200, after.text  # the stranded calls left ensemble_infer threads to work with

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 import requests
 
-from client.admin import swap_tokenizer
+from client.admin import ADMIN_HEADER, swap_tokenizer
+from launcher.triton import CACHE_DIR
 from serving.stubs import stubs
 
 PIRATE = "You are a pirate captain. Answer every question like a pirate."
@@ -104,10 +106,10 @@ def test_swapping_to_a_folder_without_a_tokenizer_keeps_the_old_one(server, grpc
     assert generate({"text_input": "Hi", "max_tokens": 4}).status_code == 200
 
 
-def test_a_swap_holds_up_no_http_connection(server, http_url, grpc_url, tokenizer_copy, restore_tokenizer):
-    """A load over HTTP holds up the HTTP front end: of 8 connections polling through an 11.3 s swap over
-    HTTP, 7 waited all of it (measured). Over gRPC, no connection may wait half the load."""
-    stop, finished = threading.Event(), [[] for _ in range(8)]
+def polled(http_url: str, load, connections: int = 8) -> tuple[float, list[float]]:
+    """Run ``load`` while ``connections`` HTTP connections poll ``/v2/health/ready``: how long it took, and
+    the longest each connection went unanswered during it."""
+    stop, finished = threading.Event(), [[] for _ in range(connections)]
 
     def poll(connection: int) -> None:
         with requests.Session() as session:
@@ -116,13 +118,13 @@ def test_a_swap_holds_up_no_http_connection(server, http_url, grpc_url, tokenize
                 finished[connection].append(time.monotonic())
                 time.sleep(0.02)
 
-    pollers = [threading.Thread(target=poll, args=(i,)) for i in range(len(finished))]
+    pollers = [threading.Thread(target=poll, args=(i,)) for i in range(connections)]
     for t in pollers:
         t.start()
     try:
         time.sleep(0.5)
         start = time.monotonic()
-        swap_tokenizer(grpc_url, str(tokenizer_copy("same")), admin_key=server.admin_key)
+        load()
         end = time.monotonic()
     finally:
         stop.set()
@@ -133,5 +135,25 @@ def test_a_swap_holds_up_no_http_connection(server, http_url, grpc_url, tokenize
         during = [start, *(t for t in times if start < t < end), end]
         return max(b - a for a, b in zip(during, during[1:]))
 
-    waits = [longest_wait(times) for times in finished]
-    assert max(waits) < (end - start) / 2, (end - start, waits)
+    return end - start, [longest_wait(times) for times in finished]
+
+
+def test_a_swap_holds_up_no_http_connection(server, http_url, grpc_url, tokenizer_copy, restore_tokenizer):
+    """A load over HTTP holds up Triton 2.51's HTTP front end (measured here, not asserted: it is Triton's
+    doing); over gRPC, no connection may wait half the load. Figures go to .cache/swap.json."""
+    config = requests.get(f"{http_url}/v2/models/preprocess/config", timeout=30).json()
+    config["parameters"]["tokenizer_dir"] = {"string_value": str(tokenizer_copy("over-http"))}
+
+    def load_over_http() -> None:
+        reply = requests.post(f"{http_url}/v2/repository/models/preprocess/load", headers={ADMIN_HEADER: server.admin_key},
+                              json={"parameters": {"config": json.dumps(config)}}, timeout=600)
+        assert reply.status_code == 200, reply.text
+
+    http_seconds, http_waits = polled(http_url, load_over_http)
+    seconds, waits = polled(http_url, lambda: swap_tokenizer(grpc_url, str(tokenizer_copy("over-grpc")),
+                                                           admin_key=server.admin_key))
+    figures = {"connections": len(waits),
+               "http": {"load_s": round(http_seconds, 2), "longest_waits_s": sorted(round(w, 2) for w in http_waits)},
+               "grpc": {"load_s": round(seconds, 2), "longest_waits_s": sorted(round(w, 2) for w in waits)}}
+    (CACHE_DIR / "swap.json").write_text(json.dumps(figures, indent=2))
+    assert max(waits) < seconds / 2, figures
