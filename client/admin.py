@@ -6,7 +6,7 @@ switches over, reloads the ``ensemble`` that depends on it, and leaves ``llm`` a
 as the *server* sees it, inside one of its ``MODEL_ROOTS``.
 
 Loads go over gRPC: while Triton 2.51's HTTP front end answers a load, its other connections wait
-(measured: 7 of 8 waited all of a 13.2 s swap over HTTP; over gRPC, none waited 50 ms). The repository
+(measured: 7 of 8 waited all of a 13 s swap over HTTP; over gRPC, none waited over 50 ms). The repository
 API is restricted: requests carry the server's ``ADMIN_KEY`` (``--admin-key``, or the same environment
 variable here).
 """
