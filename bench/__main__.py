@@ -29,7 +29,7 @@ from bench import load, perf_analyzer, report, roofline, workload
 from launcher.model import prepare_default_model
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
 from bench.static_llm import StaticGenerator
-from llm import LLM, LLMConfig
+from llm import LLM, LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
 log = logging.getLogger("bench")
@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode()))
            for items in sets.values() for i in items}
 
-    generator = StaticGenerator(LLM(LLMConfig(str(model_dir), max_tokens_limit=512), device))
-    limit = roofline.measure(generator.llm.model, device, args.quick)
+    config = LLMConfig(str(model_dir), max_tokens_limit=512, compile=False)
+    hf = load_model(config, device)
+    generator = StaticGenerator(hf, LLM(config, device, hf))
+    limit = roofline.measure(hf, device, args.quick)
     log.info("roofline: %.1f GFLOP/s, %.1f GB/s", limit.peak_flops / 1e9, limit.bandwidth / 1e9)
     points = in_process(generator, ids, sets, plan)
-    del generator
+    del generator, hf
 
     config_name = "" if gpu else "cpu"
     server = start(MODEL_REPOSITORY, model_dir, out, "ensemble", config_name)

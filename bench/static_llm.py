@@ -1,23 +1,27 @@
 """The static-batching generator that the in-flight engine replaced, kept as the benchmark's baseline.
 
 One Hugging Face ``generate`` call per batch: the batch runs as long as its longest reply and new requests
-wait for it to end. It answers the same validated ``GenerationRequest`` as the engine (greedy only).
+wait for it to end. It answers the same validated ``GenerationRequest`` as the engine (greedy only), on
+the Hugging Face modules themselves (``llm.load_model``: same weights and dtype as the engine's).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
+from bench.attention import use_grouped_attention
 from llm import LLM, GenerationRequest
 
 
 class StaticGenerator:
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, model: PreTrainedModel, llm: LLM) -> None:
+        self.model = model
         self.llm = llm
+        use_grouped_attention(model, llm.device)
         # This generator owns stopping: left in the model's config, generate() would fill EOS back in
         # whenever we pass none, and ignore_eos would stop at the end of turn anyway.
-        llm.model.generation_config.eos_token_id = None
+        model.generation_config.eos_token_id = None
 
     @torch.inference_mode()
     def generate(self, batch: list[GenerationRequest]) -> list[list[int]]:
@@ -39,7 +43,7 @@ class StaticGenerator:
             eos_token_id=None if any(r.ignore_eos for r in batch) else sorted(llm.eos_ids) or None,
             pad_token_id=llm.pad_id,
         )
-        out = llm.model.generate(
+        out = self.model.generate(
             input_ids=ids.to(llm.device), attention_mask=mask.to(llm.device), generation_config=config
         )
         replies = []

@@ -88,6 +88,8 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # llm's compiled forward pass (torch.compile): compiled once, reloaded by every later start.
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "torchinductor"))
     env.update(extra or {})
     env.pop("ADMIN_KEY", None)  # it reaches tritonserver as an argument; the models have no use for it
     if "MODEL_DIR" in env:  # serving/paths.py: models and tokenizers load only from inside MODEL_ROOTS

@@ -1,4 +1,4 @@
-"""Any local Hugging Face causal LM behind one validation point and an in-flight batching engine."""
+"""A local Hugging Face chat model behind one validation point and an in-flight batching engine."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from llm.attention import use_grouped_attention
-from llm.engine import Engine, GenerationRequest, Metrics
+from llm.engine import Engine
+from llm.kv import BLOCK_SIZE, BlockTable, cache_slots
+from llm.model import Decoder
+from llm.runner import ModelRunner
 from llm.sampling import SamplingParams
+from llm.scheduler import Scheduler
+from llm.sequence import GenerationRequest, Metrics
 from serving.errors import InvalidInput
 from serving.paths import allowed_folder
 from serving.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
@@ -25,12 +29,14 @@ class LLMConfig:
     """``llm`` config parameters."""
 
     model_dir: str
-    dtype: str = "auto"  # auto: bfloat16 on GPUs that support it, else float16; float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 where the hardware computes it natively, see resolve_dtype
+    compile: bool = True  # torch.compile the forward pass (CUDA graphs on GPUs); false runs it eagerly
     default_max_tokens: int = 64
     max_tokens_limit: int = 512
     max_context_tokens: int = 0  # prompt + reply; 0 means the model's max_position_embeddings
-    kv_cache_tokens: int = 16384  # KV budget in cache slots (rows x columns); see README for bytes
-    max_running_requests: int = 32  # rows decoded together at most
+    kv_cache_tokens: int = 16384  # KV budget in cache slots, a multiple of 16; see README for bytes
+    max_running_requests: int = 64  # rows decoded together at most
+    max_batched_tokens: int = 256  # tokens in one forward pass: the decode rows, then prompt chunks
     max_queued_requests: int = 256  # waiting for the KV budget; more are refused at once (overloaded)
     max_queue_seconds: float = 60.0  # a request that waited this long for room is refused (overloaded)
     max_stop_count: int = 8
@@ -48,6 +54,14 @@ class LLMConfig:
                      "max_stop_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parameter '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens % BLOCK_SIZE:
+            raise ValueError(f"parameter 'kv_cache_tokens' must be a multiple of {BLOCK_SIZE} (the KV block size), "
+                             f"got {self.kv_cache_tokens}")
+        if self.max_batched_tokens <= self.max_running_requests:
+            raise ValueError(
+                f"parameter 'max_batched_tokens' must exceed max_running_requests={self.max_running_requests} "
+                f"(room for prompt chunks beside every decoding row), got {self.max_batched_tokens}"
+            )
         if not self.max_queue_seconds > 0:
             raise ValueError(f"parameter 'max_queue_seconds' must be > 0, got {self.max_queue_seconds}")
         if self.max_context_tokens < 0:
@@ -55,11 +69,23 @@ class LLMConfig:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on GPUs that support it (float16 on older ones), and on CPUs with native bfloat16
+    arithmetic (AVX512-BF16 or AMX), which halves the bytes every decode step reads; float32 elsewhere,
+    where bfloat16 would be emulated and slower."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native else torch.float32
+
+
+def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
+    """The Hugging Face model of ``config.model_dir`` in the resolved dtype, on ``device``."""
+    return AutoModelForCausalLM.from_pretrained(
+        allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device),
+        local_files_only=True, trust_remote_code=False,
+    ).to(device).eval()
 
 
 def configure_threads(instance_count: int, device: torch.device) -> int:
@@ -88,40 +114,37 @@ class LLM:
         self, config: LLMConfig, device: torch.device,
         model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
+        """``model`` (an already loaded Hugging Face model) is for tests; the server loads ``model_dir``.
+        The engine keeps only its own copy of the weights (``Decoder``), not the Hugging Face modules."""
         self.config = config
         self.device = device
-        self.model = model or AutoModelForCausalLM.from_pretrained(
-            allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device),
-            local_files_only=True, trust_remote_code=False,
-        )
-        self.model.to(device).eval()
-        use_grouped_attention(self.model, device)
+        hf = (model or load_model(config, device)).to(device).eval()
         # The model's own vocabulary turns ids into text for stop strings (postprocess checks that its
         # tokenizer shares it).
         self.tokenizer = tokenizer or load_tokenizer(config.model_dir, "model_dir")
         self.fingerprint = vocab_fingerprint(self.tokenizer)
-        self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        positions = getattr(self.model.config, "max_position_embeddings", None) or 2**31
+        self.dtype = hf.dtype
+        self.vocab_size = hf.get_input_embeddings().num_embeddings
+        positions = getattr(hf.config, "max_position_embeddings", None) or 2**31
         self.context_tokens = min(config.max_context_tokens or positions, positions)
-        eos = self.model.generation_config.eos_token_id
+        self.room = min(self.context_tokens, config.kv_cache_tokens)  # tokens one request may hold
+        eos = hf.generation_config.eos_token_id
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-        pad = self.model.generation_config.pad_token_id
+        pad = hf.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one cache slot holds: keys and values, every layer, every KV head (how to size the budget)."""
-        c = self.model.config
-        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+        self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
+        self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
 
     def engine(self, metrics: Metrics | None = None) -> Engine:
-        return Engine(
-            self.model, eos_ids=self.eos_ids, pad_id=self.pad_id, kv_cache_tokens=self.config.kv_cache_tokens,
-            max_batch_size=self.config.max_running_requests, max_queued_requests=self.config.max_queued_requests,
-            max_queue_seconds=self.config.max_queue_seconds, decode=self.decode, metrics=metrics,
+        """A fresh engine (empty cache table) on this model's weights and cache; one runs at a time."""
+        c, metrics = self.config, metrics or Metrics()
+        table = BlockTable(c.kv_cache_tokens, c.max_running_requests, self.room, self.device)
+        scheduler = Scheduler(
+            table, max_running=c.max_running_requests, max_batched_tokens=c.max_batched_tokens,
+            max_queued_requests=c.max_queued_requests, max_queue_seconds=c.max_queue_seconds, metrics=metrics,
         )
+        runner = ModelRunner(self.decoder, table, self.device, c.compile)
+        return Engine(runner, scheduler, self.eos_ids, self.decode, metrics)
 
     def decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)
@@ -163,7 +186,7 @@ class LLM:
                 f"input_ids holds token id {bad}, outside the model vocabulary [0, {self.vocab_size}): "
                 "the tokenizer in preprocess does not match the llm model"
             )
-        room = min(self.context_tokens, c.kv_cache_tokens)
+        room = self.room
         if len(input_ids) + max_tokens > room:
             raise InvalidInput(
                 f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the {room} tokens "
@@ -189,4 +212,4 @@ class LLM:
         return tuple(texts)
 
 
-__all__ = ["LLM", "LLMConfig", "GenerationRequest", "SamplingParams", "configure_threads", "resolve_dtype"]
+__all__ = ["LLM", "LLMConfig", "GenerationRequest", "SamplingParams", "configure_threads", "load_model", "resolve_dtype"]

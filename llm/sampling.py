@@ -35,6 +35,11 @@ class Sampler:
             else:
                 self.generator.manual_seed(params.seed)
 
+    @property
+    def plain(self) -> bool:
+        """Greedy with no penalty: the batch's one argmax serves this row."""
+        return self.params.greedy and self.params.repetition_penalty == 1.0
+
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
         """The next token from one row of float32 ``logits``; ``seen`` holds the prompt and reply ids."""
         p = self.params

@@ -1,51 +1,69 @@
-"""The engine's own thread: Triton's ``execute`` only submits requests; this thread steps and answers.
+"""The engine's two threads: one steps the engine, one sends the answers.
 
-As in Triton's vllm_backend, each request's response sender has a single owner (this thread), which
-checks for cancellation before every step and sends the final flag exactly once.
+Triton's ``execute`` only submits requests. As in Triton's vllm_backend (``_response_loop``), sending is
+not the decode loop's business: a response crosses to the Triton server process, and the next step should
+not wait for it. The engine thread publishes which sequences changed; the responder thread answers each
+with everything new since its last answer, so when sending falls behind, a response carries several
+tokens instead of the queue growing. Each request's answers have one owner (the responder), which sends
+the final flag exactly once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
-from llm.engine import Engine, Sequence
+from llm.engine import Engine
+from llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+CANCEL_POLL_SECONDS = 0.05  # how often the transport is asked which clients have gone
 
 
 class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        respond: Callable[[Sequence], None],
+        respond: Callable[[Sequence], bool],
         is_cancelled: Callable[[Sequence], bool],
         on_error: Callable[[str], None] = log.error,
     ) -> None:
-        """``respond`` gets a sequence with new tokens (streaming) or finished; ``is_cancelled`` asks
-        the transport whether its client has gone."""
+        """``respond`` answers a sequence with its new tokens (streaming) or its end, sets ``sent_tokens``
+        and says whether that was the final answer; ``is_cancelled`` asks the transport whether its client
+        has gone."""
         self.engine = engine
         self.respond = respond
         self.is_cancelled = is_cancelled
         self.on_error = on_error
         self._wake = threading.Event()
         self._stopping = False
+        self._outbox: dict[Sequence, None] = {}  # changed since the responder last looked, in order
+        self._outbox_ready = threading.Condition()
+        self._polled = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._responder = threading.Thread(target=self._respond_loop, name="llm-responder", daemon=True)
         self._thread.start()
+        self._responder.start()
 
     def submit(self, seq: Sequence) -> None:
         self.engine.add(seq)
         self._wake.set()
 
     def stop(self, reason: str = "llm is unloading") -> None:
-        """Finish the thread; whatever is still held gets an error, so no client waits forever."""
+        """Finish both threads; whatever is still held gets an error, so no client waits forever."""
         self._stopping = True
         self._wake.set()
         self._thread.join()
+        with self._outbox_ready:
+            self._outbox_ready.notify()
+        self._responder.join()
         for seq in self.engine.sequences():
             seq.finish_reason, seq.error = "error", reason
-            self._answer(seq)
+            self._publish([seq])
+        self._send_outbox()
 
     def _run(self) -> None:
         while not self._stopping:
@@ -53,22 +71,48 @@ class EngineLoop:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            for seq in self.engine.sequences():
-                if self.is_cancelled(seq):
-                    self.engine.cancel(seq)
+            self._poll_cancellations()
             try:
                 changed = self.engine.step()
             except Exception as e:  # OOM, a device error or a bug: the thread must live and answer everyone
                 self.on_error(f"llm: step failed, {len(self.engine.running)} running requests lost: {e}")
                 changed = self.engine.fail_all(f"generation failed: {e}")
-            for seq in changed:
-                if seq.stream or seq.finished:
-                    self._answer(seq)
+            self._publish([s for s in changed if s.stream or s.finished])
 
-    def _answer(self, seq: Sequence) -> None:
-        try:
-            self.respond(seq)
-        except Exception as e:  # a sender that fails (its client gone) must not stop the others
-            self.on_error(f"llm: could not answer a request: {e}")
-            self.engine.cancel(seq)
-        seq.sent_tokens = len(seq.output_ids)
+    def _poll_cancellations(self) -> None:
+        """Ask the transport about every held request, at most every CANCEL_POLL_SECONDS: each question
+        may cross to the server process, and a step is shorter than that."""
+        now = time.monotonic()
+        if now - self._polled < CANCEL_POLL_SECONDS:
+            return
+        self._polled = now
+        for seq in self.engine.sequences():
+            if not seq.finished and self.is_cancelled(seq):
+                self.engine.cancel(seq)
+
+    def _publish(self, seqs: list[Sequence]) -> None:
+        if seqs:
+            with self._outbox_ready:
+                self._outbox.update(dict.fromkeys(seqs))
+                self._outbox_ready.notify()
+
+    def _respond_loop(self) -> None:
+        while True:
+            with self._outbox_ready:
+                while not self._outbox and not self._stopping:
+                    self._outbox_ready.wait()
+                if self._stopping and not self._outbox:
+                    return
+            self._send_outbox()
+
+    def _send_outbox(self) -> None:
+        with self._outbox_ready:
+            seqs, self._outbox = list(self._outbox), {}
+        for seq in seqs:
+            if seq.answered:
+                continue
+            try:
+                seq.answered = self.respond(seq)
+            except Exception as e:  # a sender that fails (its client gone) must not stop the others
+                self.on_error(f"llm: could not answer a request: {e}")
+                self.engine.cancel(seq)

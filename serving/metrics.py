@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from llm.engine import Metrics
+from llm.sequence import Metrics
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -29,11 +29,11 @@ class TritonMetrics(Metrics):
         self.prompt_tokens = _metric("llm_prompt_tokens_total", "Prompt tokens prefilled", counter, labels)
         self.generation_tokens = _metric("llm_generation_tokens_total", "Tokens generated", counter, labels)
         self.forwards = _metric(
-            "llm_forward_passes_total", "Forward passes (prefills and decode steps); tokens / passes = batch", counter, labels
+            "llm_forward_passes_total", "Forward passes (decode rows and prompt chunks together); tokens / passes = batch", counter, labels
         )
         self.running = _metric("llm_requests_running", "Requests in the running batch", gauge, labels)
         self.waiting = _metric("llm_requests_waiting", "Requests queued for the KV budget", gauge, labels)
-        self.kv_tokens = _metric("llm_kv_cache_tokens", "KV cache slots in use (rows x columns)", gauge, labels)
+        self.kv_tokens = _metric("llm_kv_cache_tokens", "KV cache slots reserved by admitted requests (whole blocks)", gauge, labels)
         self.kv_budget = _metric("llm_kv_cache_budget_tokens", "KV cache slots allowed (kv_cache_tokens)", gauge, labels)
         self.kv_budget.set(kv_cache_tokens)
         self.rejections = _metric(
@@ -51,9 +51,12 @@ class TritonMetrics(Metrics):
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.increment(prompt_tokens)
 
-    def token(self, seconds: float, first: bool) -> None:
-        self.generation_tokens.increment(1)
-        (self.ttft if first else self.tpot).observe(seconds)
+    def tokens(self, first: list[float], later: list[float]) -> None:
+        self.generation_tokens.increment(len(first) + len(later))
+        for seconds in first:
+            self.ttft.observe(seconds)
+        for seconds in later:
+            self.tpot.observe(seconds)
 
     def forward(self, rows: int) -> None:
         self.forwards.increment(1)

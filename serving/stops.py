@@ -6,7 +6,8 @@ Both sides decode the same ids with the same vocabulary and call these functions
 
 from __future__ import annotations
 
-from typing import Sequence
+from bisect import bisect_right
+from typing import Callable, Sequence
 
 
 def find_stop(text: str, stop: Sequence[str]) -> int | None:
@@ -42,3 +43,53 @@ def visible_text(text: str, stop: Sequence[str], final: bool) -> str:
         return text[:cut]
     text = text.rstrip("\ufffd")
     return text if final else text[: len(text) - partial_stop_length(text, stop)]
+
+
+class TextTracker:
+    """A reply's text, decoded a few ids at a time, as TGI's ``decode_token`` does.
+
+    Each new id costs two decodes of a handful of ids, never a decode of the whole reply, so stop
+    matching stays linear in the reply's length. It records checkpoints, (ids, characters) where the
+    decoded text was whole, so a response can carry only the tail of the ids that postprocess needs
+    (``window``) and postprocess's work per response is bounded too.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self.decode = decode
+        self.stop = tuple(stop)
+        self.longest = max((len(s) for s in stop), default=0)
+        self.tail = ""  # the last characters a stop string could start in
+        self._prefix = self._read = 0
+        self.ids: list[int] = [0]  # checkpoints: ids decoded ...
+        self.chars: list[int] = [0]  # ... and the characters they make
+
+    def add(self, ids: list[int]) -> bool:
+        """Take the reply so far (one id longer than last time); True when a stop string has appeared."""
+        before = self.decode(ids[self._prefix:self._read])
+        after = self.decode(ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # nothing new, or a character half made
+            return False
+        new = after[len(before):]
+        self._prefix, self._read = self._read, len(ids)
+        self.ids.append(len(ids))
+        self.chars.append(self.chars[-1] + len(new))
+        if not self.stop:
+            return False
+        text = self.tail + new
+        self.tail = text[len(text) - self.longest + 1:] if self.longest > 1 else ""
+        return find_stop(text, self.stop) is not None
+
+    def window(self, sent: int) -> int:
+        """The first id a response must carry when ``sent`` ids went out before.
+
+        Postprocess decodes only ids from here on and subtracts what was visible at ``sent``. That is exact
+        when decoding starts where the text was whole and covers every character still held back: an
+        incomplete character or the start of a stop string, which lie after the last checkpoint before
+        ``sent`` or within ``longest`` characters of it (one more, for a tokenizer that drops a leading
+        space at the start of a decode).
+        """
+        last = bisect_right(self.ids, sent) - 1
+        first, margin = last, self.longest + 1 if self.longest else 0
+        while first > 0 and self.chars[last] - self.chars[first] < margin:
+            first -= 1
+        return self.ids[first]

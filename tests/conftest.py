@@ -38,7 +38,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonS
     _servers.append(triton)
     triton.start()
     try:
-        triton.wait_ready(timeout=300)
+        triton.wait_ready(timeout=600)  # a first start compiles llm (minutes on 2 cores)
         yield triton
     finally:
         triton.stop()

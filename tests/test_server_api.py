@@ -89,7 +89,7 @@ def test_postprocess_never_returns_a_split_character(http_url, tokenizer):
     ids = tokenizer.encode(text)
     fingerprint = requests.post(f"{http_url}/v2/models/preprocess/generate", json={"text_input": "x"}, timeout=60).json()
     for end in range(1, len(ids) + 1):
-        body = {"output_ids": ids[:end], "sent_tokens": 0, "prompt_tokens": 1, "finish_reason": "length",
+        body = {"output_ids": ids[:end], "sent_tokens": 0, "completion_tokens": end, "prompt_tokens": 1, "finish_reason": "length",
                 "tokenizer_fingerprint": fingerprint["tokenizer_fingerprint"]}
         reply = requests.post(f"{http_url}/v2/models/postprocess/generate", json=body, timeout=60)
         assert reply.status_code == 200, reply.text

@@ -1,4 +1,7 @@
-"""The in-flight batching engine, sampling and validation, driven in-process with a tiny random Llama."""
+"""The in-flight batching engine, sampling and validation, driven in-process with a tiny random Llama.
+
+The engine runs eagerly here (compile=False), except in the test that pins the compiled path to it.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +12,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.attention import NAME, use_grouped_attention
 from bench.static_llm import StaticGenerator
 from llm import LLM, LLMConfig
-from llm.attention import NAME
-from llm.engine import Overloaded, Sequence, similar_lengths
+from llm.kv import BLOCK_SIZE, blocks_for
+from llm.sequence import Overloaded, Sequence
 from serving.errors import InvalidInput
 from serving.stops import partial_stop_length, visible_text
 
@@ -29,8 +33,11 @@ class Letters:
         return {f"t{i}": i for i in range(256)}
 
 
+BUDGET = 208  # KV slots: 13 blocks
+
+
 @pytest.fixture
-def llm() -> LLM:
+def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -38,7 +45,23 @@ def llm() -> LLM:
     )
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = None
-    return LLM(LLMConfig("unused", default_max_tokens=4, max_tokens_limit=16, kv_cache_tokens=200), torch.device("cpu"), model, Letters())
+    return model
+
+
+def tiny(model, **config) -> LLM:
+    settings = {"default_max_tokens": 4, "max_tokens_limit": 16, "kv_cache_tokens": BUDGET, "compile": False} | config
+    return LLM(LLMConfig("unused", **settings), torch.device("cpu"), model, Letters())
+
+
+@pytest.fixture
+def llm(model) -> LLM:
+    return tiny(model)
+
+
+def one_by_one(model, llm: LLM, requests) -> list[list[int]]:
+    """Each request's greedy reply from Hugging Face ``generate``, alone."""
+    reference = StaticGenerator(model, llm)
+    return [reference.generate([r])[0] for r in requests]
 
 
 def run(engine, seqs: list[Sequence], join_after: list[int] | None = None) -> list[Sequence]:
@@ -55,11 +78,67 @@ def run(engine, seqs: list[Sequence], join_after: list[int] | None = None) -> li
     return seqs
 
 
-def test_rows_joining_mid_generation_match_one_by_one_greedy(llm):
+def test_rows_joining_mid_generation_match_one_by_one_greedy(model, llm):
     requests = [llm.validate(ids, 12) for ids in PROMPTS]
-    alone = [StaticGenerator(llm).generate([r])[0] for r in requests]
     seqs = run(llm.engine(), [Sequence(r) for r in requests], join_after=[0, 3, 7])
-    assert [s.output_ids for s in seqs] == alone
+    assert [s.output_ids for s in seqs] == one_by_one(model, llm, requests)
+
+
+def test_rows_of_different_lengths_joining_and_leaving_share_the_paged_cache_exactly(model):
+    """Prompts of 1 to 40 tokens, across block boundaries, replies of 1 to 16, joining every few steps:
+    each equals its reply alone, and every block is free again at the end."""
+    llm = tiny(model, max_tokens_limit=16, max_batched_tokens=24, max_running_requests=6)
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (int(n),), generator=rng).tolist() for n in torch.randint(1, 41, (12,), generator=rng)]
+    requests = [llm.validate(p, int(n), ignore_eos=True) for p, n in zip(prompts, torch.randint(1, 17, (12,), generator=rng))]
+    engine = llm.engine()
+    seqs = run(engine, [Sequence(r) for r in requests], join_after=[0, 0, 1, 2, 3, 5, 8, 13, 14, 15, 21, 30])
+    assert [s.output_ids for s in seqs] == one_by_one(model, llm, requests)
+    assert engine.kv_tokens == 0 and engine.running == []
+
+
+def test_the_kv_budget_counts_whole_blocks_of_each_request_exactly(llm):
+    engine = llm.engine()
+    requests = [llm.validate(PROMPTS[1], 9), llm.validate(PROMPTS[0], 14), llm.validate(PROMPTS[2], 16)]  # 16, 17, 17
+    for r in requests:
+        engine.add(Sequence(r, stream=True))
+    engine.step()
+    assert engine.kv_tokens == sum(blocks_for(r.reserved_tokens) for r in requests) * BLOCK_SIZE == 80
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(model, monkeypatch):
+    llm = tiny(model, max_batched_tokens=8, max_running_requests=2)
+    engine = llm.engine()
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recorded(on_admit):
+        step, gone = schedule(on_admit)
+        steps.append(step)
+        return step, gone
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recorded)
+    short = Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True))
+    engine.add(short)
+    engine.step()
+    long = Sequence(llm.validate(list(range(1, 41)), 4, ignore_eos=True))
+    engine.add(long)
+    while not long.output_ids:
+        before = len(short.output_ids)
+        engine.step()
+        assert len(short.output_ids) == before + 1  # the running row got its token in every step
+    assert [count for step in steps for seq, count in step.prefill if seq is long] == [7, 7, 7, 7, 7, 5]
+    assert max(step.tokens for step in steps) == 8  # max_batched_tokens
+    run(engine, [])
+    assert [short.output_ids, long.output_ids] == one_by_one(model, llm, [short.request, long.request])
+
+
+def test_the_compiled_forward_pass_gives_the_eager_tokens(model):
+    requests = [tiny(model).validate(ids, 12) for ids in PROMPTS]
+    replies = {}
+    for compiled in (False, True):
+        llm = tiny(model, compile=compiled)
+        replies[compiled] = [s.output_ids for s in run(llm.engine(), [Sequence(r) for r in requests], join_after=[0, 2, 5])]
+    assert replies[True] == replies[False] == one_by_one(model, llm, requests)
 
 
 def test_each_row_keeps_its_own_max_tokens_and_leaves_at_once(llm):
@@ -102,12 +181,12 @@ def test_eos_ends_the_reply_unless_ignored(llm):
 
 
 def test_the_kv_budget_queues_requests_first_come_first_served(llm):
-    engine = llm.engine()  # budget 200 slots; each request reserves 3 + 16 = 19 columns
+    engine = llm.engine()  # budget 13 blocks; each request reserves 3 + 16 = 19 slots: 2 blocks
     seqs = [Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True)) for _ in range(14)]
     for seq in seqs:
         engine.add(seq)
     engine.step()
-    assert len(engine.running) == 200 // 19 and len(engine.waiting) == 14 - 200 // 19
+    assert engine.running == seqs[:6] and engine.waiting == seqs[6:]
     run(engine, [])
     assert all(s.finish_reason == "length" for s in seqs)
 
@@ -126,7 +205,7 @@ def test_past_max_queued_requests_a_request_is_refused_at_once(llm):
 def test_a_request_waiting_past_max_queue_seconds_leaves_with_an_error(llm):
     llm.config = replace(llm.config, max_queue_seconds=5.0)
     engine = llm.engine()
-    seqs = [Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True)) for _ in range(12)]  # 10 fit the budget
+    seqs = [Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True)) for _ in range(12)]  # 6 fit the budget
     for seq in seqs:
         engine.add(seq)
     engine.step()
@@ -180,6 +259,8 @@ def test_invalid_requests_name_the_field_and_limit(llm, ids, kwargs, message):
         ({"default_max_tokens": 600}, "parameter 'default_max_tokens'"),
         ({"max_context_tokens": -1}, "parameter 'max_context_tokens'"),
         ({"kv_cache_tokens": 0}, "parameter 'kv_cache_tokens'"),
+        ({"kv_cache_tokens": 1000}, r"parameter 'kv_cache_tokens' must be a multiple of 16"),
+        ({"max_batched_tokens": 64}, r"parameter 'max_batched_tokens' must exceed max_running_requests=64"),
         ({"max_queued_requests": 0}, "parameter 'max_queued_requests'"),
         ({"max_queue_seconds": 0.0}, "parameter 'max_queue_seconds'"),
     ],
@@ -197,27 +278,14 @@ def test_visible_text_holds_back_what_may_become_a_stop_string():
     assert visible_text("caf\ufffd", (), final=False) == "caf"
 
 
-def test_grouped_attention_is_the_default_on_cpu_and_matches_sdpa(llm):
-    assert llm.model.config._attn_implementation == NAME
-    requests = [llm.validate(ids, 12) for ids in PROMPTS]
-    grouped = run(llm.engine(), [Sequence(r) for r in requests])
+def test_the_baselines_grouped_attention_matches_sdpa(model, llm):
+    """bench/attention.py: the static baseline's attention kernel changes speed, not numbers."""
+    use_grouped_attention(model, torch.device("cpu"))
+    assert model.config._attn_implementation == NAME
     ids = torch.tensor([[0, 0, 0, 0, 5, 6, 7], PROMPTS[1]])
     mask = (torch.arange(7) >= torch.tensor([[4], [0]])).long()
     with torch.inference_mode():
-        logits = llm.model(input_ids=ids, attention_mask=mask).logits
-        llm.model.set_attn_implementation("sdpa")
-        reference = llm.model(input_ids=ids, attention_mask=mask).logits
-    repeated = run(llm.engine(), [Sequence(r) for r in requests])
-    assert [s.output_ids for s in grouped] == [s.output_ids for s in repeated]
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation("sdpa")
+        reference = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(logits, reference)
-
-
-def test_prefill_groups_bound_the_padding_and_keep_every_request():
-    lengths = [4, 260, 5, 130, 120, 6, 250]
-    seqs = [SimpleNamespace(request=SimpleNamespace(input_ids=[1] * n)) for n in lengths]
-    groups = similar_lengths(seqs)
-    assert sorted(id(s) for g in groups for s in g) == sorted(id(s) for s in seqs)
-    for group in groups:
-        sizes = [len(s.request.input_ids) for s in group]
-        assert max(sizes) * len(sizes) <= 1.25 * sum(sizes)
-    assert len(groups) == 3  # 4-6, 120-130, 250-260

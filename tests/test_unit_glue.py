@@ -135,7 +135,7 @@ def llm_model(load_model):
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0)
     model = load_model("llm")
-    model.llm = LLM(LLMConfig("unused"), torch.device("cpu"), LlamaForCausalLM(config), Letters())
+    model.llm = LLM(LLMConfig("unused", compile=False), torch.device("cpu"), LlamaForCausalLM(config), Letters())
     model.llm.eos_ids = set()
     model.ids = (f"1-{n}" for n in itertools.count())
     model.fingerprint = np.array([[b"f"]], dtype=np.object_)
@@ -169,10 +169,10 @@ def test_llm_answers_the_good_requests_of_a_batch_with_a_bad_one(llm_model):
 
 
 def test_llm_turns_a_failed_forward_pass_into_errors_and_keeps_serving(llm_model, monkeypatch):
-    def broken(batch):
+    def broken(step):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(llm_model.loop.engine, "_prefill", broken)
+    monkeypatch.setattr(llm_model.loop.engine.runner, "run", broken)
     batch = [llm_request([1], 2), llm_request([2], 2)]
     llm_model.execute(batch)
     responses = answers(batch)

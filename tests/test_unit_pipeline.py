@@ -11,7 +11,8 @@ from postprocess import Chunk, Detokenizer, PostprocessConfig
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 from serving.errors import InvalidInput
 from serving.params import read_parameters
-from serving.tokenizer import vocab_fingerprint
+from serving.stops import TextTracker, find_stop
+from serving.tokenizer import decode_text, vocab_fingerprint
 
 
 def params(**values: str) -> dict:
@@ -101,9 +102,25 @@ def whole(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) 
     return detokenizer.text(Chunk(ids, 0, finished=True, stop=stop))
 
 
-def stream(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> list[str]:
-    """One chunk per token, as postprocess sees a stream; the last one finishes."""
-    return [detokenizer.text(Chunk(ids[:n], n - 1, finished=n == len(ids), stop=stop)) for n in range(1, len(ids) + 1)]
+def stream(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (), every: int = 1,
+           starts: list[int] | None = None) -> list[str]:
+    """The chunks of a stream as llm sends them: a response every ``every`` tokens and at the end (the last
+    id, or the one that completes a stop string), each carrying only the tail of the ids that
+    ``TextTracker.window`` says postprocess needs."""
+    tracker = TextTracker(lambda some: decode_text(detokenizer.tokenizer, some), stop)
+    chunks, sent = [], 0
+    for n in range(1, len(ids) + 1):
+        finished = tracker.add(ids[:n]) or n == len(ids)
+        if n % every and not finished:
+            continue
+        start = tracker.window(sent)
+        if starts is not None:
+            starts.append(start)
+        chunks.append(detokenizer.text(Chunk(ids[start:n], sent - start, finished=finished, stop=stop)))
+        sent = n
+        if finished:
+            return chunks
+    return chunks
 
 
 def test_detokenizer_round_trips_chinese_and_emoji(detokenizer, tokenizer):
@@ -134,6 +151,35 @@ def test_a_stop_string_cuts_the_text_and_never_leaks_into_a_chunk(detokenizer, t
 def test_a_partial_stop_string_is_released_at_the_end(detokenizer, tokenizer):
     ids = tokenizer.encode(TEXT)
     assert "".join(stream(detokenizer, ids, ("ok!",))) == TEXT
+
+
+LONG = " ".join(f"{TEXT} 第{i}行 line {i}." for i in range(12))
+
+
+@pytest.mark.parametrize("every", [1, 3, 7])
+@pytest.mark.parametrize("stop", [(), ("行 line 9",), ("🌍😀 ok 第1", "x" * 40), ("never there, but a long stop string",)])
+def test_responses_carrying_only_a_window_of_ids_add_up_to_the_whole_reply(detokenizer, tokenizer, every, stop):
+    ids = tokenizer.encode(LONG)
+    chunks = stream(detokenizer, ids, stop, every)
+    assert "".join(chunks) == whole(detokenizer, ids, stop)
+    assert all("\ufffd" not in c for c in chunks)
+
+
+def test_a_response_carries_a_few_ids_not_the_whole_reply(detokenizer, tokenizer):
+    """Postprocess decodes only a window per response: linear work over a stream, not quadratic."""
+    ids = tokenizer.encode(LONG)
+    starts: list[int] = []
+    stream(detokenizer, ids, every=1, starts=starts)
+    assert len(ids) > 200 and max(n - start for n, start in enumerate(starts, 1)) <= 4
+
+
+def test_the_text_tracker_finds_a_stop_string_at_the_token_that_completes_it(tokenizer):
+    ids = tokenizer.encode(LONG)
+    stop = ("行 line 4",)
+    tracker = TextTracker(lambda some: decode_text(tokenizer, some), stop)
+    found = next(n for n in range(1, len(ids) + 1) if tracker.add(ids[:n]))
+    assert find_stop(decode_text(tokenizer, ids[:found]), stop) is not None
+    assert find_stop(decode_text(tokenizer, ids[: found - 1]), stop) is None
 
 
 def test_special_tokens_are_left_out(detokenizer, tokenizer):

@@ -10,7 +10,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from llm import LLM, LLMConfig, configure_threads
-from llm.engine import Overloaded, Sequence
+from llm.sequence import Overloaded, Sequence
 from llm.service import EngineLoop
 from serving import cancel
 from serving.errors import CANCELLED, INTERNAL_ERROR, InvalidInput, decode_utf8
@@ -45,11 +45,11 @@ class TritonPythonModel:
         engine = self.llm.engine(TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens))
         self.loop = EngineLoop(engine, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
         pb_utils.Logger.log_info(
-            f"llm: {config.model_dir} on {device} as {self.llm.model.dtype}, {threads} threads, "
-            f"vocabulary {self.llm.vocab_size}, context {self.llm.context_tokens} tokens, "
-            f"KV budget {config.kv_cache_tokens} tokens x {self.llm.kv_bytes_per_token} bytes = "
-            f"{config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
-            f"up to {config.max_running_requests} running requests"
+            f"llm: {config.model_dir} on {device} as {self.llm.dtype}, {threads} threads, "
+            f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
+            f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
+            f"{self.llm.kv_bytes_per_token} bytes = {config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
+            f"up to {config.max_running_requests} running requests and {config.max_batched_tokens} tokens a step"
         )
 
     def execute(self, requests: list) -> None:
@@ -83,26 +83,36 @@ class TritonPythonModel:
     def _is_cancelled(self, seq: Sequence) -> bool:
         return seq.handle.sender.is_cancelled() or cancel.take(seq.handle.generation_id)
 
-    def _respond(self, seq: Sequence) -> None:
-        """The engine thread's answer: every id so far (postprocess decodes the new part), or an error."""
-        flags = FINAL if seq.finished else 0
+    def _respond(self, seq: Sequence) -> bool:
+        """The responder thread's answer: the tail of the ids that postprocess needs to turn everything new
+        since the last answer into text (``TextTracker.window``), or an error. True when it was final."""
+        finished = seq.finished  # read before the ids: a finished sequence's ids are all there
+        sender = seq.handle.sender
         if seq.finish_reason == "error":
-            reply = error_response(INTERNAL_ERROR + seq.error, pb_utils.TritonError.INTERNAL)
-        elif seq.finish_reason == "rejected":
-            reply = error_response(seq.error, pb_utils.TritonError.UNAVAILABLE)
-        elif seq.finish_reason == "cancelled":
-            reply = error_response(CANCELLED, pb_utils.TritonError.CANCELLED)
-        else:
-            reply = response(
-                output_ids=np.array([seq.output_ids], dtype=np.int32),
-                sent_tokens=np.array([[seq.sent_tokens]], dtype=np.int32),
-                prompt_tokens=np.array([[len(seq.request.input_ids)]], dtype=np.int32),
-                finish_reason=np.array([[(seq.finish_reason or "").encode()]], dtype=np.object_),
-                tokenizer_fingerprint=self.fingerprint,
-                stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
-                generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
-            )
-        seq.handle.sender.send(reply, flags=flags)
+            sender.send(error_response(INTERNAL_ERROR + seq.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
+            return True
+        if seq.finish_reason == "rejected":
+            sender.send(error_response(seq.error, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            return True
+        if seq.finish_reason == "cancelled":
+            sender.send(error_response(CANCELLED, pb_utils.TritonError.CANCELLED), flags=FINAL)
+            return True
+        count = len(seq.output_ids)
+        if count == seq.sent_tokens and not finished:
+            return False
+        start = seq.text.window(seq.sent_tokens)
+        sender.send(response(
+            output_ids=np.array([seq.output_ids[start:count]], dtype=np.int32),
+            sent_tokens=np.array([[seq.sent_tokens - start]], dtype=np.int32),
+            completion_tokens=np.array([[count]], dtype=np.int32),
+            prompt_tokens=np.array([[len(seq.request.input_ids)]], dtype=np.int32),
+            finish_reason=np.array([[(seq.finish_reason or "").encode() if finished else b""]], dtype=np.object_),
+            tokenizer_fingerprint=self.fingerprint,
+            stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
+            generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
+        ), flags=FINAL if finished else 0)
+        seq.sent_tokens = count
+        return finished
 
     def finalize(self) -> None:
         self.loop.stop()

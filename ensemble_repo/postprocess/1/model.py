@@ -45,7 +45,7 @@ class TritonPythonModel:
             return error_response(e)
         return response(
             text_output=np.array([[text.encode("utf-8")]], dtype=np.object_),
-            completion_tokens=np.array([[len(ids)]], dtype=np.int32),
+            completion_tokens=np.array([[scalar(request, "completion_tokens") or 0]], dtype=np.int32),
             prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
             finish_reason=np.array([[finish_reason]], dtype=np.object_),
         )

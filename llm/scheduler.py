@@ -1,0 +1,127 @@
+"""Who runs in the next forward pass, and who waits.
+
+Waiting requests are admitted strictly first come, first served, while a row and the KV blocks for their
+prompt plus ``max_tokens`` are free. Every step carries one token for each decoding row, then prompt
+chunks in admission order up to ``max_batched_tokens`` (chunked prefill, as vLLM and Sarathi do): a long
+prompt is cut into pieces that ride along with the decode rows, so an admission never stalls the running
+streams for a whole prompt.
+
+Overload is refused, never absorbed: past ``max_queued_requests`` waiting, a new request is refused at
+once, and one that waited ``max_queue_seconds`` without room leaves with an error, so a burst neither
+grows memory without bound nor leaves clients hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from llm.kv import BlockTable
+from llm.sequence import Metrics, Overloaded, Sequence
+from serving.errors import OVERLOADED
+
+
+@dataclass
+class Step:
+    """One forward pass: a token for each decoding row, then ``(sequence, count)`` prompt chunks."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(count for _, count in self.prefill)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The rows that get a token from this pass, in logits order: decode rows, then each sequence
+        whose prompt this pass completes."""
+        return self.decode + [s for s, count in self.prefill if count == s.prompt_left]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockTable, *, max_running: int, max_batched_tokens: int,
+                 max_queued_requests: int, max_queue_seconds: float, metrics: Metrics) -> None:
+        self.blocks = blocks
+        self.max_running = max_running
+        self.max_batched_tokens = max_batched_tokens
+        self.max_queued_requests = max_queued_requests
+        self.max_queue_seconds = max_queue_seconds
+        self.metrics = metrics
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, prompt in the cache or on its way, in admission order
+        self._lock = threading.Lock()  # add() comes from Triton's thread, the rest from the engine's
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request.reserved_tokens > self.blocks.slots.shape[1]:
+            raise ValueError("a request larger than the KV budget can never run; validate() refuses it")
+        with self._lock:
+            if len(self.waiting) >= self.max_queued_requests:
+                self.metrics.rejected()
+                raise Overloaded(
+                    f"{OVERLOADED}{len(self.waiting)} requests are already waiting for room in the KV budget "
+                    f"(max_queued_requests={self.max_queued_requests}); retry later"
+                )
+            self.waiting.append(seq)
+
+    def sequences(self) -> list[Sequence]:
+        with self._lock:
+            return self.running + list(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self, on_admit: Callable[[Sequence], None]) -> tuple[Step, list[Sequence]]:
+        """The next step, and the sequences that left since the last one (cancelled, or expired)."""
+        self._expire()
+        gone = self._drop_finished()
+        self._admit(on_admit)
+        step = Step(decode=[s for s in self.running if s.prompt_left == 0])
+        budget = self.max_batched_tokens - len(step.decode)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.prompt_left:
+                count = min(seq.prompt_left, budget)
+                step.prefill.append((seq, count))
+                budget -= count
+        return step, gone
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished (or failed) sequence's row and blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.release(seq.row)
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            expired = [s for s in self.waiting if not s.finished and now - s.arrived > self.max_queue_seconds]
+        for seq in expired:
+            seq.finish_reason = "rejected"
+            seq.error = (f"{OVERLOADED}waited {now - seq.arrived:.0f} s for room in the KV budget "
+                         f"(max_queue_seconds={self.max_queue_seconds:g}); retry later")
+            self.metrics.rejected()
+
+    def _drop_finished(self) -> list[Sequence]:
+        with self._lock:
+            gone = [s for s in self.waiting if s.finished]
+            if gone:
+                self.waiting = deque(s for s in self.waiting if not s.finished)
+        for seq in [s for s in self.running if s.finished]:
+            self.finish(seq)
+            gone.append(seq)
+        return gone
+
+    def _admit(self, on_admit: Callable[[Sequence], None]) -> None:
+        with self._lock:
+            while (self.waiting and len(self.running) < self.max_running
+                   and self.blocks.fits(self.waiting[0].request.reserved_tokens)):
+                seq = self.waiting.popleft()
+                seq.row = self.blocks.reserve(seq.request.reserved_tokens)
+                self.running.append(seq)
+                on_admit(seq)

@@ -1,0 +1,79 @@
+"""What the engine holds for each request, and the events it reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm.sampling import Sampler, SamplingParams
+from serving.stops import TextTracker
+
+
+class Overloaded(RuntimeError):
+    """The server is full; the message says which limit, and the client should retry later."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: ids within the vocabulary, a reply budget that fits the context."""
+
+    input_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()  # matched on the decoded text of the reply
+    ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.input_ids) + self.max_tokens
+
+
+class Metrics:
+    """Engine events for operators. This default records nothing, so the engine needs no server."""
+
+    def admitted(self, prompt_tokens: int) -> None: ...
+
+    def tokens(self, first: list[float], later: list[float]) -> None:
+        """One step's new tokens: seconds from arrival to a request's first token, and between later ones."""
+
+    def forward(self, rows: int) -> None:
+        """One forward pass over ``rows`` requests."""
+
+    def step(self, running: int, waiting: int, kv_tokens: int) -> None:
+        """After every step, forward pass or not."""
+
+    def rejected(self) -> None:
+        """A request refused for overload (queue full, or waited too long)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine: where it is in the cache, what it has generated and why it stopped."""
+
+    request: GenerationRequest
+    handle: Any = None  # the caller's token for this request (a Triton response sender in the server)
+    stream: bool = False  # the caller wants every token, not only the end
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop, length, cancelled, rejected (overload) or error
+    error: str | None = None
+    sent_tokens: int = 0  # output_ids already handed to the caller (kept by whoever answers) ...
+    answered: bool = False  # ... and whether the final answer went out
+    arrived: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    sampler: Sampler | None = None
+    text: TextTracker | None = None
+    row: int = 0  # its row of the block table once admitted
+    cached: int = 0  # positions whose keys and values are in the cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prompt_left(self) -> int:
+        return max(0, len(self.request.input_ids) - self.cached)
+
+    def token_at(self, position: int) -> int:
+        prompt = self.request.input_ids
+        return prompt[position] if position < len(prompt) else self.output_ids[position - len(prompt)]
