@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 RUN_ARGS ?=
 
-.PHONY: venv model run serve test bench clean
+.PHONY: venv model run serve test bench gpu-check clean
 
 $(STAMP): requirements.txt requirements-models.txt requirements-test.txt requirements-bench.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: venv
 # make bench: the full sweep (tens of minutes on 2 cores); make bench QUICK=1: under 5 minutes.
 bench: venv
 	$(BIN)/python -m bench $(if $(QUICK),--quick --out bench_results/quick,--out bench_results/full)
+
+# On a host with an NVIDIA GPU: llm on KIND_GPU in bf16 with CUDA graphs, throughput at c=1/16/64.
+gpu-check: venv
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

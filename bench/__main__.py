@@ -1,10 +1,17 @@
 """``python -m bench [--quick]``: every system, every workload and concurrency, in one run.
 
-Systems: ``in_process`` (Hugging Face ``generate`` on batches of size = concurrency, no server: the
-practical limit of static batching), ``roofline`` (this machine's measured physical limit), ``static``
-(Triton with the static dynamic-batching ``llm`` that the in-flight engine replaced, streaming nothing),
-and the shipped pipeline: ``ensemble_http`` (``generate_stream``, streamed) and ``ensemble_grpc``
-(KServe infer on ``ensemble_infer``). Writes ``results.json``, ``results.md`` and PNG plots to ``--out``.
+Systems, all on the same weights and the same seeded prompts:
+
+- ``in_process``: Hugging Face ``generate`` on batches of size = concurrency, no server (static batching
+  at its best);
+- ``static``: Triton with the static dynamic-batching ``llm`` the in-flight engine replaced;
+- ``ensemble_http`` (``generate_stream``, streamed) and ``ensemble_grpc`` (KServe infer on
+  ``ensemble_infer``): the shipped pipeline;
+- ``llama_server_bf16`` and ``llama_server_f32``: llama.cpp's server (full mode), and ``vllm``, vLLM's CPU
+  build, where it runs here (``bench/peers.py``);
+- the roofline: this machine's measured limit in each system's dtype.
+
+Writes ``results.json``, ``results.md`` and PNG plots to ``--out``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import logging
 import os
 import platform
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -25,10 +31,10 @@ import aiohttp
 import torch
 import tritonclient.grpc.aio as grpcaio
 
-from bench import load, perf_analyzer, report, roofline, workload
-from launcher.model import prepare_default_model
-from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
+from bench import load, peers, perf_analyzer, report, roofline, workload
 from bench.static_llm import StaticGenerator
+from launcher.model import prepare_default_model
+from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu, repository_variant
 from llm import LLM, LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
@@ -37,25 +43,29 @@ log = logging.getLogger("bench")
 
 @dataclass(frozen=True)
 class Plan:
-    concurrency: tuple[int, ...]
+    concurrency: tuple[int, ...]  # the shipped pipeline and its peers
+    baseline_concurrency: tuple[int, ...]  # in_process, static and ensemble_grpc
     fixed_tokens: int
     variable_tokens: tuple[int, int]
     perf_analyzer: bool
+    peers: bool
     rounds: int  # measured requests per point = max(8, rounds x concurrency), after one warm-up round
 
     def requests(self, concurrency: int) -> int:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 4), 16, (4, 32), False, 1)
-FULL = Plan((1, 4, 16), 64, (8, 128), True, 2)
+QUICK = Plan((1, 4), (1, 4), 16, (4, 32), perf_analyzer=False, peers=False, rounds=1)
+FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), 64, (8, 128), perf_analyzer=True, peers=True, rounds=2)
 
 
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"model name\s*:\s*(.+)", cpuinfo)
+    flags = set((re.search(r"flags\s*:\s*(.+)", cpuinfo) or re.search("()", "")).group(1).split())
     return {
         "cpu": model.group(1) if model else platform.processor(),
+        "cpu_features": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
         "cores": len(os.sched_getaffinity(0)),
         "gpu": has_gpu(),
         "torch": torch.__version__,
@@ -72,17 +82,17 @@ def workloads(plan: Plan) -> dict[str, list[workload.Item]]:
     }
 
 
-def point(system: str, name: str, concurrency: int, measured: dict, **extra) -> dict:
-    return {"system": system, "workload": name, "concurrency": concurrency, **measured, **extra}
+def point(system: str, dtype: str, name: str, concurrency: int, measured: dict, **extra) -> dict:
+    return {"system": system, "dtype": dtype, "workload": name, "concurrency": concurrency, **measured, **extra}
 
 
-def in_process(generator: StaticGenerator, ids: dict[str, list[int]], sets: dict, plan: Plan) -> list[dict]:
-    """The practical limit: the same engine and prompts, batches of ``concurrency``, no server."""
+def in_process(generator: StaticGenerator, ids: dict[str, list[int]], sets: dict, plan: Plan, dtype: str) -> list[dict]:
+    """Static batching at its best: the same model and prompts, batches of ``concurrency``, no server."""
     points = []
+    validate = generator.llm.validate
     for name, items in sets.items():
-        for c in plan.concurrency:
+        for c in plan.baseline_concurrency:
             chosen = items[c:c + plan.requests(c)]
-            validate = generator.llm.validate
             generator.generate([validate(ids[i.text_input], i.max_tokens, ignore_eos=True) for i in items[:c]])
             run = load.Run()
             cpu, wall = time.process_time(), time.perf_counter()
@@ -95,34 +105,55 @@ def in_process(generator: StaticGenerator, ids: dict[str, list[int]], sets: dict
                 run.ttfts += [seconds] * len(batch)
                 run.tokens += [len(r) for r in replies]
             run.seconds, run.client_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
-            points.append(point("in_process", name, c, load.summary(run)))
+            points.append(point("in_process", dtype, name, c, load.summary(run)))
             log.info("in_process %s c=%d: %.1f tok/s", name, c, points[-1]["tokens_per_s"])
     return points
 
 
-async def sweep_server(system: str, url: str, grpc_port: int | None, sets: dict, plan: Plan) -> list[dict]:
+async def sweep(system: str, dtype: str, send: load.Send, sets: dict, plan: Plan, concurrency: tuple[int, ...],
+                stats_url: str | None = None) -> list[dict]:
+    """Closed-loop points for one system; with ``stats_url``, Triton's per-model statistics too."""
     points = []
+    for name, items in sets.items():
+        for c in concurrency:
+            await load.warm_up(send, items[:c])
+            await asyncio.sleep(0.2)
+            before = load.server_stats(stats_url) if stats_url else {}
+            run = await load.closed_loop(send, items[c:c + plan.requests(c)], c)
+            extra = {}
+            if stats_url:
+                await asyncio.sleep(0.2)  # the ensemble's statistics land just after its reply
+                extra["server"] = load.stats_delta(before, load.server_stats(stats_url))
+            points.append(point(system, dtype, name, c, load.summary(run), **extra))
+            log.info("%s %s c=%d: %.1f tok/s", system, name, c, points[-1]["tokens_per_s"])
+    return points
+
+
+async def sweep_triton(system: str, dtype: str, server: TritonServer, sets: dict, plan: Plan,
+                       concurrency: tuple[int, ...], grpc_concurrency: tuple[int, ...] = ()) -> list[dict]:
+    """``generate_stream`` points as ``system``, and KServe gRPC infer points as ``<system>_grpc`` when asked."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        protocols = {"http": load.http_stream(session, url)}
-        grpc = grpcaio.InferenceServerClient(f"127.0.0.1:{grpc_port}") if grpc_port else None
-        if grpc:
-            protocols["grpc"] = load.grpc_infer(grpc)
-        for protocol, send in protocols.items():
-            for name, items in sets.items():
-                for c in plan.concurrency:
-                    await load.warm_up(send, items[:c])
-                    await asyncio.sleep(0.2)
-                    before = load.server_stats(url)
-                    run = await load.closed_loop(send, items[c:c + plan.requests(c)], c)
-                    await asyncio.sleep(0.2)  # the ensemble's statistics land just after its reply
-                    server = load.stats_delta(before, load.server_stats(url))
-                    label = f"{system}_{protocol}" if grpc else system
-                    points.append(point(label, name, c, load.summary(run), server=server))
-                    log.info("%s %s c=%d: %.1f tok/s", label, name, c, points[-1]["tokens_per_s"])
-        if grpc:
-            await grpc.close()
+        points = await sweep(system, dtype, load.http_stream(session, server.url), sets, plan, concurrency, server.url)
+    if grpc_concurrency:
+        client = grpcaio.InferenceServerClient(server.grpc_url)
+        points += await sweep(f"{system.removesuffix('_http')}_grpc", dtype, load.grpc_infer(client), sets, plan,
+                              grpc_concurrency, server.url)
+        await client.close()
     return points
+
+
+async def sweep_peer(server: peers.OpenAIServer, sets: dict, plan: Plan, ids: dict[str, list[int]]) -> tuple[list[dict], dict]:
+    """A peer's points, after checking on a few prompts that it makes as many prompt tokens of them as we do
+    (same chat template and tokenizer, so the same work)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
+        sample = [item.text_input for items in sets.values() for item in items[:4]]
+        theirs = [await load.openai_prompt_tokens(session, server.url, server.model, text) for text in sample]
+        ours = [len(ids[text]) for text in sample]
+        check = {"prompts": len(sample), "agree": theirs == ours, "ours": ours, "theirs": theirs}
+        send = load.openai_stream(session, server.url, server.model)
+        return await sweep(server.name, server.dtype, send, sets, plan, plan.concurrency), check
 
 
 async def ensemble_overhead(url: str, ids: dict, items: list[workload.Item], count: int) -> dict:
@@ -139,32 +170,65 @@ async def ensemble_overhead(url: str, ids: dict, items: list[workload.Item], cou
             "overhead_pct": 100 * overhead / out["llm"]}
 
 
-def static_repository(target: Path, gpu: bool) -> Path:
+def static_repository(target: Path) -> Path:
     """ensemble_repo with llm swapped for the static baseline (bench/static_model.py), batched by Triton's
     dynamic batcher with the 5 ms queue delay the shipped config used before the engine."""
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    for name in ("ensemble", "ensemble_infer", "preprocess", "postprocess"):
-        (target / name).symlink_to(MODEL_REPOSITORY / name)
-    (target / "llm" / "1").mkdir(parents=True)
-    shutil.copy2(Path(__file__).parent / "static_model.py", target / "llm" / "1" / "model.py")
-    source = MODEL_REPOSITORY / "llm" / ("config.pbtxt" if gpu else "configs/cpu.pbtxt")
-    text = source.read_text().replace("dynamic_batching { }", "dynamic_batching { max_queue_delay_microseconds: 5000 }")
-    (target / "llm" / "config.pbtxt").write_text("# Benchmark baseline: static batches (bench/static_model.py).\n" + text)
-    return target
+    def delay(config: str) -> str:
+        return ("# Benchmark baseline: static batches (bench/static_model.py).\n" + config.replace(
+            "dynamic_batching { default_queue_policy", "dynamic_batching { max_queue_delay_microseconds: 5000 default_queue_policy"))
+
+    return repository_variant(target, delay, Path(__file__).parent / "static_model.py")
 
 
-def start(repository: Path, model_dir: Path, out: Path, name: str, config_name: str) -> TritonServer:
+def start(repository: Path, model_dir: Path, out: Path, name: str, config_name: str) -> tuple[TritonServer, float]:
     server = TritonServer(ports=Ports.free(), model_repository=repository, model_env={"MODEL_DIR": str(model_dir)},
                           log_path=out / f"{name}.log", model_config_name=config_name)
-    server.start().wait_ready(600)
-    return server
+    began = time.perf_counter()
+    server.start().wait_ready(900)
+    return server, time.perf_counter() - began
+
+
+def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, out: Path) -> tuple[list[dict], list[dict]]:
+    """llama-server (F32 and BF16) and vLLM, one at a time; a peer that cannot run says why."""
+    slots = max(plan.concurrency)
+    context = max(len(ids[i.text_input]) + i.max_tokens for items in sets.values() for i in items) + 16
+    points, notes = [], []
+    bin_dir = peers.build_llama_cpp(out)
+    for gguf_dtype in ("BF16", "F32"):
+        server = peers.llama_server(bin_dir, peers.llama_gguf(bin_dir, gguf_dtype, out), gguf_dtype, slots, context, out)
+        try:
+            server.wait_ready(300)
+            found, check = asyncio.run(sweep_peer(server, sets, plan, ids))
+            points += found
+            notes.append({"system": server.name, "status": f"ran; prompt tokens agree with ours on {check['prompts']} "
+                          f"prompts: {'yes' if check['agree'] else 'no'}", "prompt_check": check})
+        except Exception as e:  # a peer that fails is reported, never hidden
+            notes.append({"system": server.name, "status": f"failed: {e}; see {server.name}.log"})
+        finally:
+            server.stop()
+    python = peers.install_vllm(out)
+    if python is None:
+        notes.append({"system": "vllm", "status": f"could not be installed: see vllm-install.log ({peers.VLLM})"})
+        return points, notes
+    server = peers.vllm_server(python, model_dir, dtype, slots, context, out)
+    try:
+        server.wait_ready(900)
+        found, check = asyncio.run(sweep_peer(server, sets, plan, ids))
+        points += found
+        notes.append({"system": "vllm", "status": f"ran ({peers.VLLM}); prompt tokens agree: {check['agree']}",
+                      "prompt_check": check})
+    except Exception as e:
+        tail = (out / "vllm.log").read_text(errors="replace").strip().splitlines()[-3:]
+        notes.append({"system": "vllm", "status": f"failed: {e}; last lines of vllm.log: {' | '.join(tail)}"})
+    finally:
+        server.stop()
+    return points, notes
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a few points, under 5 minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="a few points, no peers, under 5 minutes on 2 cores")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -179,19 +243,26 @@ def main(argv: list[str] | None = None) -> int:
     preprocessor = Preprocessor(PreprocessConfig(str(model_dir)))
     ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode()))
            for items in sets.values() for i in items}
+    contexts = {name: sum(len(ids[i.text_input]) + i.max_tokens / 2 for i in items) / len(items)
+                for name, items in sets.items()}
 
     config = LLMConfig(str(model_dir), max_tokens_limit=512, compile=False)
     hf = load_model(config, device)
-    generator = StaticGenerator(hf, LLM(config, device, hf))
-    limit = roofline.measure(hf, device, args.quick)
-    log.info("roofline: %.1f GFLOP/s, %.1f GB/s", limit.peak_flops / 1e9, limit.bandwidth / 1e9)
-    points = in_process(generator, ids, sets, plan)
-    del generator, hf
+    llm = LLM(config, device, hf)
+    dtype = str(llm.dtype).removeprefix("torch.")
+    params = sum(p.numel() for p in hf.parameters())
+    limits = roofline.measure(params, llm.kv_bytes_per_token // llm.dtype.itemsize,
+                              list(dict.fromkeys([llm.dtype, torch.float32])), device, args.quick)
+    points = in_process(StaticGenerator(hf, llm), ids, sets, plan, dtype)
+    del hf, llm
 
     config_name = "" if gpu else "cpu"
-    server = start(MODEL_REPOSITORY, model_dir, out, "ensemble", config_name)
+    cache = CACHE_DIR / "torchinductor"
+    cache_warm = cache.exists() and any(cache.iterdir())
+    server, startup = start(MODEL_REPOSITORY, model_dir, out, "ensemble", config_name)
     try:
-        points += asyncio.run(sweep_server("ensemble", server.url, server.ports.grpc, sets, plan))
+        points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sets, plan, plan.concurrency,
+                                           plan.baseline_concurrency))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
         cross_check = None
         if plan.perf_analyzer:
@@ -203,21 +274,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
 
-    static = start(static_repository(CACHE_DIR / "bench" / "static_repo", gpu), model_dir, out, "static", "")
+    static, _ = start(static_repository(CACHE_DIR / "bench" / "static_repo"), model_dir, out, "static", config_name)
     try:
-        points += asyncio.run(sweep_server("static", static.url, None, sets, plan))
+        points += asyncio.run(sweep_triton("static", dtype, static, sets, plan, plan.baseline_concurrency))
     finally:
         static.stop()
 
+    peer_notes: list[dict] = []
+    if plan.peers:
+        found, peer_notes = run_peers(plan, sets, ids, model_dir, dtype, out)
+        points += found
+
+    points = report.with_ratios(points, limits, contexts)
     results = {
         "mode": "quick" if args.quick else "full",
         "plan": asdict(plan),
         "machine": machine(),
-        "model": {"dir": str(model_dir), "params": limit.params, "weight_bytes": limit.weight_bytes},
-        "roofline": limit.as_dict(),
-        "points": report.with_ratios(points, limit),
+        "model": {"dir": str(model_dir), "params": params, "dtype": dtype},
+        "roofline": {name: limit.as_dict() for name, limit in limits.items()},
+        "contexts": contexts,
+        "points": points,
         "targets": report.targets(points),
+        "peers": peer_notes,
         "ensemble_overhead": overhead,
+        "startup_s": startup,
+        "compile_cache_warm": cache_warm,
         "perf_analyzer_cross_check": cross_check,
         "wall_s": time.perf_counter() - started,
     }

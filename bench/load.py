@@ -83,6 +83,39 @@ def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble
     return send
 
 
+def openai_stream(session: aiohttp.ClientSession, url: str, model: str) -> Send:
+    """OpenAI's streamed ``/v1/chat/completions`` (llama-server, vLLM): the same prompt as a user turn,
+    greedy, ``max_tokens`` and ``ignore_eos`` as ours; tokens counted from the final ``usage``."""
+
+    async def send(item: Item) -> tuple[int, float]:
+        body = {"model": model, "messages": [{"role": "user", "content": item.text_input}],
+                "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        begin, first, tokens = time.perf_counter(), None, None
+        async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"chat completion failed: {reply.status} {await reply.text()}")
+            async for line in reply.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                data = json.loads(line[6:])
+                if data.get("choices") and data["choices"][0]["delta"].get("content"):
+                    first = first or time.perf_counter() - begin
+                tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
+        if tokens is None:
+            raise RuntimeError("chat completion stream ended without usage")
+        return tokens, first
+
+    return send
+
+
+async def openai_prompt_tokens(session: aiohttp.ClientSession, url: str, model: str, text: str) -> int:
+    """How many tokens a peer makes of ``text`` as a user turn (its chat template and tokenizer)."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        return (await reply.json())["usage"]["prompt_tokens"]
+
+
 def grpc_infer(client: grpcaio.InferenceServerClient) -> Send:
     """KServe ModelInfer on ``ensemble_infer``: one response, so TTFT is the latency."""
     outputs = [grpcclient.InferRequestedOutput("completion_tokens")]

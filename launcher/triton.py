@@ -20,6 +20,7 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -43,6 +44,26 @@ RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 # stranded by a dead stub holds its thread for good: with the default, 40 infer requests in flight at a
 # kill left ensemble_infer unable to answer anything, their guard's errors included (measured).
 PYTHON_BACKEND_THREADS = 512
+
+
+def repository_variant(target: Path, edit_llm_config: Callable[[str], str], llm_model: Path | None = None) -> Path:
+    """``ensemble_repo`` at ``target`` with llm's configs (GPU and CPU) edited and, if given, its ``model.py``
+    replaced; every other model is a symlink to the original (benchmarks and tests run such variants)."""
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for model in MODEL_REPOSITORY.iterdir():
+        if model.is_dir() and model.name != "llm":
+            (target / model.name).symlink_to(model)
+    llm = target / "llm"
+    (llm / "configs").mkdir(parents=True)
+    for config in ("config.pbtxt", "configs/cpu.pbtxt"):
+        (llm / config).write_text(edit_llm_config((MODEL_REPOSITORY / "llm" / config).read_text()))
+    if llm_model is None:
+        (llm / "1").symlink_to(MODEL_REPOSITORY / "llm" / "1")
+    else:
+        (llm / "1").mkdir()
+        shutil.copy2(llm_model, llm / "1" / "model.py")
+    return target
 
 
 def admin_key() -> str:

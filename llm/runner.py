@@ -94,7 +94,7 @@ class ModelRunner:
             torch.tensor(ids, device=device), positions_t, self.table.slots[rows_t, positions_t],
             self.table.slots[rows_t[:padded], :columns], decode_lengths, torch.tensor(logit_rows, device=device),
         )
-        if mark_dynamic:
+        if mark_dynamic:  # the cache buffers keep their size: another kv_cache_tokens compiles anew
             for tensor in args:
                 torch._dynamo.mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(args[3], 1)

@@ -46,6 +46,9 @@ class Metrics:
     def rejected(self) -> None:
         """A request refused for overload (queue full, or waited too long)."""
 
+    def flush(self) -> None:
+        """Hand what was recorded to wherever it goes (called off the decode loop)."""
+
 
 @dataclass(eq=False)
 class Sequence:

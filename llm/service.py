@@ -1,11 +1,12 @@
-"""The engine's two threads: one steps the engine, one sends the answers.
+"""The engine's two threads: one steps the engine, one talks to the transport.
 
-Triton's ``execute`` only submits requests. As in Triton's vllm_backend (``_response_loop``), sending is
-not the decode loop's business: a response crosses to the Triton server process, and the next step should
-not wait for it. The engine thread publishes which sequences changed; the responder thread answers each
-with everything new since its last answer, so when sending falls behind, a response carries several
-tokens instead of the queue growing. Each request's answers have one owner (the responder), which sends
-the final flag exactly once.
+Triton's ``execute`` only submits requests. As in Triton's vllm_backend (``_response_loop``), talking to
+Triton is not the decode loop's business: sending a response, asking whether a client cancelled and
+updating a metric each cross to the server process, and the next step should not wait for them. The
+engine thread publishes which sequences changed; the responder thread answers each with everything new
+since its last answer, so when sending falls behind, a response carries several tokens instead of the
+queue growing. Each request's answers have one owner (the responder), which sends the final flag exactly
+once. The responder also polls for cancellations and flushes the engine's metrics.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ class EngineLoop:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            self._poll_cancellations()
             try:
                 changed = self.engine.step()
             except Exception as e:  # OOM, a device error or a bug: the thread must live and answer everyone
@@ -80,8 +80,7 @@ class EngineLoop:
             self._publish([s for s in changed if s.stream or s.finished])
 
     def _poll_cancellations(self) -> None:
-        """Ask the transport about every held request, at most every CANCEL_POLL_SECONDS: each question
-        may cross to the server process, and a step is shorter than that."""
+        """Ask the transport about every held request, at most every CANCEL_POLL_SECONDS."""
         now = time.monotonic()
         if now - self._polled < CANCEL_POLL_SECONDS:
             return
@@ -89,6 +88,7 @@ class EngineLoop:
         for seq in self.engine.sequences():
             if not seq.finished and self.is_cancelled(seq):
                 self.engine.cancel(seq)
+                self._wake.set()
 
     def _publish(self, seqs: list[Sequence]) -> None:
         if seqs:
@@ -99,15 +99,17 @@ class EngineLoop:
     def _respond_loop(self) -> None:
         while True:
             with self._outbox_ready:
-                while not self._outbox and not self._stopping:
-                    self._outbox_ready.wait()
+                if not self._outbox and not self._stopping:
+                    self._outbox_ready.wait(CANCEL_POLL_SECONDS)
                 if self._stopping and not self._outbox:
                     return
             self._send_outbox()
+            self._poll_cancellations()
 
     def _send_outbox(self) -> None:
         with self._outbox_ready:
             seqs, self._outbox = list(self._outbox), {}
+        self.engine.metrics.flush()  # before the answers: a client that reads metrics after one sees its step
         for seq in seqs:
             if seq.answered:
                 continue

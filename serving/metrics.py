@@ -1,9 +1,13 @@
 """The engine's events as Triton custom metrics, served on Triton's metrics port next to its own.
 
-Prometheus names with units. Importable only inside a Python stub.
+Prometheus names with units. Importable only inside a Python stub. Every update of a Triton metric is a
+round trip to the server process, so the engine's calls only record (it makes them in its decode loop),
+and ``flush`` hands the records over from the responder thread, before the answers they describe.
 """
 
 from __future__ import annotations
+
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -48,23 +52,44 @@ class TritonMetrics(Metrics):
             buckets=TPOT_BUCKETS,
         )
 
+        self._lock = threading.Lock()  # the engine thread records, the responder flushes, execute rejects
+        self._counts = {"prompt": 0, "generation": 0, "forwards": 0, "rejections": 0}
+        self._first: list[float] = []
+        self._later: list[float] = []
+        self._gauges: tuple[int, int, int] | None = None
+
     def admitted(self, prompt_tokens: int) -> None:
-        self.prompt_tokens.increment(prompt_tokens)
+        with self._lock:
+            self._counts["prompt"] += prompt_tokens
 
     def tokens(self, first: list[float], later: list[float]) -> None:
-        self.generation_tokens.increment(len(first) + len(later))
-        for seconds in first:
-            self.ttft.observe(seconds)
-        for seconds in later:
-            self.tpot.observe(seconds)
+        with self._lock:
+            self._counts["generation"] += len(first) + len(later)
+            self._first += first
+            self._later += later
 
     def forward(self, rows: int) -> None:
-        self.forwards.increment(1)
+        with self._lock:
+            self._counts["forwards"] += 1
 
     def rejected(self) -> None:
-        self.rejections.increment(1)
+        with self._lock:
+            self._counts["rejections"] += 1
 
     def step(self, running: int, waiting: int, kv_tokens: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_tokens.set(kv_tokens)
+        self._gauges = (running, waiting, kv_tokens)
+
+    def flush(self) -> None:
+        with self._lock:
+            counts, first, later, gauges = self._counts, self._first, self._later, self._gauges
+            self._counts, self._first, self._later, self._gauges = dict.fromkeys(counts, 0), [], [], None
+        for counter, name in ((self.prompt_tokens, "prompt"), (self.generation_tokens, "generation"),
+                              (self.forwards, "forwards"), (self.rejections, "rejections")):
+            if counts[name]:
+                counter.increment(counts[name])
+        for histogram, values in ((self.ttft, first), (self.tpot, later)):
+            for seconds in values:
+                histogram.observe(seconds)
+        if gauges is not None:
+            for gauge, value in zip((self.running, self.waiting, self.kv_tokens), gauges):
+                gauge.set(value)

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from client import ChatClient
 from launcher.model import prepare_default_model
-from launcher.triton import Ports, TritonServer
+from launcher.triton import MODEL_REPOSITORY, Ports, TritonServer, repository_variant
 
 ADMIN_KEY = "test-admin-key"
 _servers: list[TritonServer] = []
@@ -28,13 +28,12 @@ def tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.fixture(scope="session")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
+def running_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, repository: Path = MODEL_REPOSITORY):
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     # Tokenizer copies live under pytest's temporary folder, so that is a model root too.
     roots = os.pathsep.join([str(model_dir.parent), str(tmp_path_factory.getbasetemp())])
-    triton = TritonServer(ports=Ports.free(), model_env={"MODEL_DIR": str(model_dir), "MODEL_ROOTS": roots},
-                          log_path=log_path, admin_key=ADMIN_KEY)
+    triton = TritonServer(ports=Ports.free(), model_repository=repository, log_path=log_path, admin_key=ADMIN_KEY,
+                          model_env={"MODEL_DIR": str(model_dir), "MODEL_ROOTS": roots})
     _servers.append(triton)
     triton.start()
     try:
@@ -42,6 +41,24 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonS
         yield triton
     finally:
         triton.stop()
+
+
+@pytest.fixture(scope="session")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
+    """The shipped repository as it is: llm in its automatic dtype (bfloat16 on CPUs with native bf16)."""
+    yield from running_server(model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def float32_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
+    """The same pipeline with llm in float32, for tests that compare a greedy reply in a crowd with the same
+    request alone. In float32 the engine gives the same tokens whatever the batch on the CPU; in bfloat16
+    rounding differs with the batch's shape and flips near ties (5 of about 200 soak replies, measured)."""
+    def float32(config: str) -> str:
+        return config.replace('key: "dtype" value: { string_value: "auto" }', 'key: "dtype" value: { string_value: "float32" }')
+
+    repository = repository_variant(tmp_path_factory.mktemp("float32") / "repository", float32)
+    yield from running_server(model_dir, tmp_path_factory, repository)
 
 
 @pytest.fixture(scope="session")
@@ -64,15 +81,16 @@ def generate(http_url: str):
     return call
 
 
+def metric_value(server: TritonServer, name: str) -> float:
+    """The current value of one of llm's custom metrics on ``server``'s metrics port."""
+    text = requests.get(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 @pytest.fixture
 def llm_metric(server: TritonServer):
-    """The current value of one of llm's custom metrics on Triton's metrics port."""
-
-    def read(name: str) -> float:
-        text = requests.get(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=30).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-    return read
+    """``metric_value`` on the session's server."""
+    return lambda name: metric_value(server, name)
 
 
 @pytest.fixture
@@ -109,7 +127,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Show the tail of the server log under any failing test that used the server."""
     outcome = yield
     report = outcome.get_result()
-    if report.failed and _servers and "server" in getattr(item, "fixturenames", ()):
-        report.sections.append(("tritonserver log (last 60 lines)", _servers[0].log_tail(60)))
+    if report.failed and _servers and {"server", "float32_server"} & set(getattr(item, "fixturenames", ())):
+        for triton in _servers:
+            report.sections.append((f"tritonserver log {triton.log_path} (last 60 lines)", triton.log_tail(60)))
 
 

@@ -15,11 +15,18 @@ from bench.roofline import Roofline
 from launcher.triton import REPO_ROOT
 
 
+LIMIT = Roofline("bfloat16", peak_flops=1e12, bandwidth=1e10, params=10**8, weight_bytes=2 * 10**8, kv_bytes_per_token=10**4)
+
+
 def test_roofline_is_bandwidth_bound_at_batch_1_and_compute_bound_past_the_ridge():
-    limit = Roofline(peak_flops=1e12, bandwidth=1e10, params=10**8, weight_bytes=4 * 10**8)
-    assert limit.tokens_per_s(1) == pytest.approx(1e10 / 4e8)  # weights / bandwidth
-    assert limit.tokens_per_s(1000) == pytest.approx(1e12 / 2e8)  # 2 x params FLOPs per token
-    assert limit.as_dict()["ridge_batch"] == pytest.approx(200)  # where the two bounds meet
+    assert LIMIT.tokens_per_s(1, 0) == pytest.approx(1e10 / 2e8)  # weights / bandwidth
+    assert LIMIT.tokens_per_s(1000, 0) == pytest.approx(1e12 / 2e8)  # 2 x params FLOPs per token
+    assert LIMIT.as_dict()["ridge_batch"] == pytest.approx(100)  # where the two bounds meet
+
+
+def test_roofline_counts_the_cache_each_row_reads():
+    # 10 rows x 1000 positions x 10 kB = 100 MB of keys and values beside 200 MB of weights
+    assert LIMIT.tokens_per_s(10, 1000) == pytest.approx(10 / (3e8 / 1e10))
 
 
 def test_workloads_are_seeded_and_within_their_ranges():
@@ -40,24 +47,38 @@ def test_stats_delta_gives_per_request_means():
     assert delta["llm"] == {"requests": 8, "executions": 2, "queue_ms": 1.0, "compute_ms": pytest.approx(1000.0)}
 
 
-def test_ratios_compare_the_same_workload_and_concurrency():
-    points = [{"system": s, "workload": "fixed", "concurrency": 4, "tokens_per_s": v, "ttft_p50_ms": t}
-              for s, v, t in (("in_process", 100.0, 900.0), ("static", 25.0, 1000.0), ("ensemble_http", 90.0, 100.0))]
-    limit = Roofline(1e12, 1e10, 10**8, 4 * 10**8)
-    ours = with_ratios(points, limit)[2]
+def p(system: str, name: str, c: int, tokens_per_s: float, ttft: float = 100.0, dtype: str = "bfloat16") -> dict:
+    return {"system": system, "dtype": dtype, "workload": name, "concurrency": c, "tokens_per_s": tokens_per_s,
+            "ttft_p50_ms": ttft}
+
+
+def test_ratios_compare_the_same_workload_and_concurrency_and_the_best_llama_server():
+    points = [p("in_process", "fixed", 4, 100.0, 900.0), p("static", "fixed", 4, 25.0, 1000.0),
+              p("ensemble_http", "fixed", 4, 90.0), p("llama_server_bf16", "fixed", 4, 60.0),
+              p("llama_server_f32", "fixed", 4, 45.0, dtype="float32")]
+    rooflines = {"bfloat16": LIMIT, "float32": Roofline("float32", 1e12, 1e10, 10**8, 4 * 10**8, 2 * 10**4)}
+    ours, _, f32 = with_ratios(points, rooflines, {"fixed": 50.0})[2:]
     assert ours["vs_in_process"] == pytest.approx(0.9) and ours["vs_static"] == pytest.approx(3.6)
-    assert ours["ttft_vs_static"] == pytest.approx(0.1)
-    assert ours["roofline_fraction"] == pytest.approx(90 / limit.tokens_per_s(4))
+    assert ours["vs_llama_server"] == pytest.approx(1.5) and ours["ttft_vs_static"] == pytest.approx(0.1)
+    assert ours["roofline_fraction"] == pytest.approx(90 / LIMIT.tokens_per_s(4, 50.0))
+    assert f32["roofline_tokens_per_s"] == pytest.approx(rooflines["float32"].tokens_per_s(4, 50.0))  # its own dtype
 
 
-def test_targets_say_whether_each_ratio_meets_its_goal():
-    def p(system: str, name: str, tokens_per_s: float, ttft: float) -> dict:
-        return {"system": system, "workload": name, "concurrency": 16, "tokens_per_s": tokens_per_s, "ttft_p50_ms": ttft}
-
-    points = [p("static", "variable", 10, 1000), p("ensemble_http", "variable", 20, 600),
-              p("in_process", "fixed", 100, 1), p("static", "fixed", 90, 1), p("ensemble_http", "fixed", 85, 1)]
-    met = {t["target"]: t["met"] for t in targets(with_ratios(points, Roofline(1e12, 1e10, 10**8, 4 * 10**8)))}
-    assert list(met.values()) == [True, False, True]
+def test_goals_say_whether_each_ratio_meets_its_bound():
+    points = [p("static", "variable", 16, 10), p("ensemble_http", "variable", 16, 20, ttft=600.0),
+              p("llama_server_bf16", "variable", 16, 25), p("in_process", "fixed", 16, 100),
+              p("llama_server_f32", "fixed", 16, 40, dtype="float32"), p("ensemble_http", "fixed", 16, 85),
+              p("ensemble_http", "fixed", 32, 90), p("ensemble_http", "fixed", 64, 88)]
+    met = {t["target"]: t["met"] for t in targets(with_ratios(points, {"bfloat16": LIMIT, "float32": LIMIT}, {"fixed": 1, "variable": 1}))}
+    assert met == {
+        "fixed c=16: throughput vs best llama-server": True,  # 85 / 40
+        "fixed c=16: throughput vs in-process generate": False,  # 0.85
+        "variable c=16: throughput vs static Triton": True,  # 2.0
+        "variable c=16: throughput vs best llama-server": False,  # 0.8
+        "fixed: throughput rises c=16 -> 32 -> 64": False,  # 85, 90, 88
+        "fixed c=16: p50 time to first token vs before this engine": True,
+        "variable c=16: p50 time to first token vs before this engine": False,  # 600 ms vs 597 ms
+    }
 
 
 def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, model_dir):
@@ -66,9 +87,10 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     plan = results["plan"]
-    systems = {"in_process", "static", "ensemble_http", "ensemble_grpc"}
+    systems = {"in_process", "static", "ensemble_http", "ensemble_grpc"}  # no peers in quick mode
     seen = {(p["system"], p["workload"], p["concurrency"]) for p in results["points"]}
     assert seen == {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]}
+    assert {p["dtype"] for p in results["points"]} == {results["model"]["dtype"]}
     for p in results["points"]:
         assert p["requests"] == max(8, plan["rounds"] * p["concurrency"]) and p["tokens_per_s"] > 0
         assert p["p99_ms"] >= p["p50_ms"] >= p["ttft_p50_ms"] > 0 and 0 < p["roofline_fraction"] < 1
@@ -76,8 +98,9 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
             assert p["output_tokens"] == p["requests"] * plan["fixed_tokens"]
         if p["system"] == "ensemble_http":
             assert p["server"]["llm"]["requests"] == p["requests"]
-    assert results["ensemble_overhead"]["llm_p50_ms"] > 0
+    assert results["ensemble_overhead"]["llm_p50_ms"] > 0 and results["startup_s"] > 0
+    assert results["targets"] == [] and results["peers"] == []  # quick mode runs no peer and no c=16
     table = (tmp_path / "results.md").read_text()
-    assert "| system | concurrency | tok/s |" in table and "TTFT p50 ms" in table
+    assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table
     for plot in ("fixed.png", "variable.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

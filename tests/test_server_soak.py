@@ -22,6 +22,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from client import ChatClient, Prompt, build_inputs
+from conftest import metric_value
 from launcher.triton import CACHE_DIR
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
@@ -101,7 +102,13 @@ def grpc_stream(address: str, n: int) -> Outcome:
     return Outcome("grpc stream", n, text, echoed_id=all(r.get_response().id == request_id for r, _ in answers))
 
 
-def test_soak_above_capacity_loses_nothing_and_mixes_nothing_up(server, http_url, llm_metric):
+def test_soak_above_capacity_loses_nothing_and_mixes_nothing_up(float32_server):
+    """In float32, where a greedy reply does not depend on its batch-mates (conftest.float32_server)."""
+    server, http_url = float32_server, float32_server.url
+
+    def llm_metric(name: str) -> float:
+        return metric_value(server, name)
+
     grpc_address = f"127.0.0.1:{server.ports.grpc}"
     expected = [http_generate(http_url, n).text for n in range(len(PROMPTS))]  # each prompt alone
     assert all(expected)

