@@ -139,7 +139,7 @@ def llm_model(load_model):
     model.llm.eos_ids = set()
     model.ids = (f"1-{n}" for n in itertools.count())
     model.fingerprint = np.array([[b"f"]], dtype=np.object_)
-    model.loop = EngineLoop(model.llm.engine(), model._respond, model._is_cancelled, print)
+    model.loop = EngineLoop(model.llm.engine, model._respond, model._is_cancelled, print)
     yield model
     model.finalize()
 
@@ -182,6 +182,14 @@ def test_llm_turns_a_failed_forward_pass_into_errors_and_keeps_serving(llm_model
     later = [llm_request([3], 2)]
     llm_model.execute(later)
     assert answers(later)[0].error is None
+
+
+def test_an_engine_that_fails_to_build_fails_the_load_with_its_reason():
+    def build():
+        raise RuntimeError("kv_cache_tokens too large")
+
+    with pytest.raises(RuntimeError, match="kv_cache_tokens too large"):
+        EngineLoop(build, lambda seq: True, lambda seq: False, print)
 
 
 def model_config(model: str) -> str:

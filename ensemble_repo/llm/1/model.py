@@ -35,22 +35,27 @@ class TritonPythonModel:
         config = read_parameters(model_config, LLMConfig)
         gpu = args["model_instance_kind"] == "GPU"
         device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
-        if gpu:
-            torch.cuda.set_device(device)
         instances = sum(group.get("count", 1) for group in model_config["instance_group"])
-        threads = configure_threads(instances, device)
-        self.llm = LLM(config, device)
+        metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens)
+
+        def build():  # on the engine thread, where all of torch's work happens (llm/service.py says why)
+            if gpu:
+                torch.cuda.set_device(device)
+            threads = configure_threads(instances, device)
+            self.llm = LLM(config, device)
+            engine = self.llm.engine(metrics)
+            pb_utils.Logger.log_info(
+                f"llm: {config.model_dir} on {device} as {self.llm.dtype}, {threads} threads, "
+                f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
+                f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
+                f"{self.llm.kv_bytes_per_token} bytes = {config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
+                f"up to {config.max_running_requests} running requests and {config.max_batched_tokens} tokens a step"
+            )
+            return engine
+
+        self.loop = EngineLoop(build, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
         self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
-        engine = self.llm.engine(TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens))
-        self.loop = EngineLoop(engine, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
-        pb_utils.Logger.log_info(
-            f"llm: {config.model_dir} on {device} as {self.llm.dtype}, {threads} threads, "
-            f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
-            f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
-            f"{self.llm.kv_bytes_per_token} bytes = {config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
-            f"up to {config.max_running_requests} running requests and {config.max_batched_tokens} tokens a step"
-        )
 
     def execute(self, requests: list) -> None:
         for request in requests:
