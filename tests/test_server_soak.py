@@ -1,7 +1,7 @@
 """A bounded soak above capacity: every accepted request gets exactly its own complete answer.
 
 SOAK_SECONDS (default 60 in CI; raise it for a long soak) of closed-loop traffic from SOAK_CONCURRENCY
-(48, above llm's 32 running rows) clients mixing HTTP generate, HTTP streaming (a fifth cancelled after
+(80, above llm's 64 running rows) clients mixing HTTP generate, HTTP streaming (a fifth cancelled after
 the first chunk), KServe infer with an id and gRPC streaming with a request id, greedy and seeded
 sampling. The figures go to .cache/soak.json.
 """
@@ -26,7 +26,7 @@ from conftest import metric_value
 from launcher.triton import CACHE_DIR
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
-CONCURRENCY = int(os.environ.get("SOAK_CONCURRENCY", "48"))
+CONCURRENCY = int(os.environ.get("SOAK_CONCURRENCY", "80"))
 QUESTIONS = ["Name a colour.", "What is 2 + 3?", "Say hello in French.", "Name a planet.", "写一个字。", "Give me an emoji."]
 PROMPTS = [Prompt(q, max_tokens=12) for q in QUESTIONS] + [Prompt(q, max_tokens=12, temperature=0.8, seed=i)
                                                            for i, q in enumerate(QUESTIONS)]
