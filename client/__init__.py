@@ -20,19 +20,22 @@ from tritonclient.utils import InferenceServerException
 
 STREAM_MODEL = "ensemble"
 INFER_MODEL = "ensemble_infer"
-OUTPUTS = ("text_output", "completion_tokens", "prompt_tokens", "finish_reason")
+OUTPUTS = ("text_output", "completion_tokens", "prompt_tokens", "finish_reason", "token_logprobs")
 DTYPES = {  # input -> (numpy dtype, Triton datatype)
     "max_tokens": (np.int32, "INT32"), "top_k": (np.int32, "INT32"), "seed": (np.int64, "INT64"),
     "temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "repetition_penalty": (np.float32, "FP32"),
-    "apply_chat_template": (bool, "BOOL"), "ignore_eos": (bool, "BOOL"),
+    "presence_penalty": (np.float32, "FP32"), "frequency_penalty": (np.float32, "FP32"),
+    "apply_chat_template": (bool, "BOOL"), "ignore_eos": (bool, "BOOL"), "logprobs": (bool, "BOOL"),
+    "top_logprobs": (np.int32, "INT32"),
 }
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """The ensemble's inputs; None leaves an optional input out so the server default applies."""
+    """The ensemble's inputs; None leaves an optional input out so the server default applies.
+    ``messages`` (a conversation, OpenAI-style dicts) replaces ``text_input`` when given."""
 
-    text_input: str
+    text_input: str | None = None
     max_tokens: int | None = None
     system_prompt: str | None = None
     apply_chat_template: bool | None = None
@@ -43,10 +46,18 @@ class Prompt:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool | None = None
+    messages: list[dict] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def body(self) -> dict:
-        """The JSON body of ``generate`` / ``generate_stream``."""
-        return {k: v for k, v in asdict(self).items() if v is not None and v != []}
+        """The JSON body of ``generate`` / ``generate_stream`` (``messages`` as the JSON text the input holds)."""
+        body = {k: v for k, v in asdict(self).items() if v is not None and v != []}
+        if self.messages is not None:
+            body["messages"] = json.dumps(self.messages)
+        return body
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class Chunk:
     completion_tokens: int
     prompt_tokens: int
     finish_reason: str  # empty until the last chunk: stop or length
+    token_logprobs: list[dict] | None = None  # with logprobs: the tokens this chunk's text shows
 
 
 def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
@@ -70,9 +82,12 @@ def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
     def text(values: list[str]) -> np.ndarray:
         return np.array([[v.encode() for v in values]], dtype=np.object_).reshape(1, len(values))
 
-    inputs = [tensor("text_input", text([prompt.text_input]), "BYTES")]
-    if prompt.system_prompt is not None:
-        inputs.append(tensor("system_prompt", text([prompt.system_prompt]), "BYTES"))
+    inputs = []
+    for name in ("text_input", "system_prompt"):
+        if getattr(prompt, name) is not None:
+            inputs.append(tensor(name, text([getattr(prompt, name)]), "BYTES"))
+    if prompt.messages is not None:
+        inputs.append(tensor("messages", text([json.dumps(prompt.messages)]), "BYTES"))
     if prompt.stop:
         inputs.append(tensor("stop", text(prompt.stop), "BYTES"))
     for name, (dtype, datatype) in DTYPES.items():
@@ -83,11 +98,16 @@ def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
     return inputs
 
 
+def parse_logprobs(raw: bytes | str) -> list[dict] | None:
+    """The ``token_logprobs`` output: None when the request did not ask for logprobs."""
+    return json.loads(raw) if raw else None
+
+
 def _chunk(result) -> Chunk:
     value = lambda name: result.as_numpy(name)[0][0]  # noqa: E731
     return Chunk(
         value("text_output").decode("utf-8"), int(value("completion_tokens")), int(value("prompt_tokens")),
-        value("finish_reason").decode("utf-8"),
+        value("finish_reason").decode("utf-8"), parse_logprobs(value("token_logprobs")),
     )
 
 
@@ -124,7 +144,7 @@ class ChatClient:
                 data = json.loads(line[len(b"data: "):])
                 if "error" in data:
                     raise InferenceServerException(data["error"], status=str(reply.status_code))
-                yield Chunk(**{name: data[name] for name in OUTPUTS})
+                yield Chunk(**{name: data[name] for name in OUTPUTS[:-1]}, token_logprobs=parse_logprobs(data["token_logprobs"]))
             if reply.status_code != 200:
                 raise InferenceServerException(reply.text, status=str(reply.status_code))
 

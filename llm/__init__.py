@@ -22,6 +22,7 @@ from serving.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SEED_LIMIT = 2**63 - 1
+TOP_LOGPROBS_LIMIT = 5  # as OpenAI's chat API allows (it documents 20; 5 is its legacy completions limit)
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,13 @@ class LLM:
         top_p: float | None = None,
         top_k: int | None = None,
         repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
         seed: int | None = None,
         stop: list[bytes] | None = None,
         ignore_eos: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
         tokenizer_fingerprint: str | None = None,
     ) -> GenerationRequest:
         """One place for every per-request limit; raises ``InvalidInput`` naming field and range."""
@@ -176,8 +181,13 @@ class LLM:
             top_p=float(_in_range("top_p", top_p, 0.0, 1.0, 1.0, low_open=True)),
             top_k=int(_in_range("top_k", top_k, 0, self.vocab_size, 0)),
             repetition_penalty=float(_in_range("repetition_penalty", repetition_penalty, 0.0, 2.0, 1.0, low_open=True)),
+            presence_penalty=float(_in_range("presence_penalty", presence_penalty, -2.0, 2.0, 0.0)),
+            frequency_penalty=float(_in_range("frequency_penalty", frequency_penalty, -2.0, 2.0, 0.0)),
             seed=_in_range("seed", seed, 0, SEED_LIMIT, None),
         )
+        top_logprobs = int(_in_range("top_logprobs", top_logprobs, 0, TOP_LOGPROBS_LIMIT, 0))
+        if top_logprobs and not logprobs:
+            raise InvalidInput(f"top_logprobs={top_logprobs} needs logprobs=true")
         if not input_ids:
             raise InvalidInput("input_ids must not be empty")
         bad = next((i for i in input_ids if not 0 <= i < self.vocab_size), None)
@@ -192,7 +202,8 @@ class LLM:
                 f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the {room} tokens "
                 "one request may hold (the model context or kv_cache_tokens): shorten the prompt or lower max_tokens"
             )
-        return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), ignore_eos)
+        return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), ignore_eos,
+                                 top_logprobs if logprobs else None)
 
     def _stop(self, stop: list[bytes]) -> tuple[str, ...]:
         c = self.config

@@ -16,7 +16,7 @@ import torch
 from llm.runner import ModelRunner
 from llm.sampling import Sampler
 from llm.scheduler import Scheduler, Step
-from llm.sequence import Metrics, Sequence
+from llm.sequence import Metrics, Sequence, TokenLogprobs
 from serving.stops import TextTracker
 
 
@@ -94,12 +94,13 @@ class Engine:
         for seq in step.decode:
             seq.cached += 1
         tokens = self._choose(rows, logits)
+        logprobs = self._logprobs(rows, logits, tokens)
         now = time.perf_counter()
         first, later = [], []
-        for seq, token in zip(rows, tokens):
+        for seq, token, lp in zip(rows, tokens, logprobs):
             (later if seq.last_token_at else first).append(now - (seq.last_token_at or seq.arrived))
             seq.last_token_at = now
-            self._append(seq, token)
+            self._append(seq, token, lp)
             if seq.finished:
                 self.scheduler.finish(seq)
         self.metrics.tokens(first, later)
@@ -115,16 +116,36 @@ class Engine:
                 tokens[i] = token
         for i, seq in enumerate(rows):
             if tokens[i] is None:
-                seen = torch.tensor(seq.request.input_ids + seq.output_ids, device=logits.device)
-                tokens[i] = seq.sampler(logits[i], seen)
+                ids = lambda values: torch.tensor(values, dtype=torch.long, device=logits.device)  # noqa: E731
+                tokens[i] = seq.sampler(logits[i], ids(seq.request.input_ids), ids(seq.output_ids))
         return tokens
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    @staticmethod
+    def _logprobs(rows: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprobs | None]:
+        """For the rows that ask: the chosen token's log-probability under the model's own distribution
+        (as vLLM reports it: before temperature and penalties) and the ``logprobs`` most likely tokens."""
+        asking = [i for i, seq in enumerate(rows) if seq.request.logprobs is not None]
+        found: list[TokenLogprobs | None] = [None] * len(rows)
+        if not asking:
+            return found
+        top = max(rows[i].request.logprobs for i in asking)
+        logprobs = logits[asking].float().log_softmax(-1)
+        chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in asking], device=logits.device))[:, 0].tolist()
+        best = logprobs.topk(top, -1) if top else None
+        for j, i in enumerate(asking):
+            k = rows[i].request.logprobs
+            found[i] = TokenLogprobs(chosen[j], best.indices[j, :k].tolist() if k else [],
+                                     best.values[j, :k].tolist() if k else [])
+        return found
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         request = seq.request
         if token in self.eos_ids and not request.ignore_eos:
             seq.finish_reason = "stop"
             return
         seq.output_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
         if seq.text.add(seq.output_ids):
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= request.max_tokens:

@@ -1,4 +1,5 @@
-"""Per-request token choice: greedy by default, or seeded sampling with temperature, top-k and top-p."""
+"""Per-request token choice: greedy by default, or seeded sampling with temperature, top-k and top-p, after
+the request's repetition, presence and frequency penalties."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ class SamplingParams:
     top_p: float = 1.0  # sample from the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # sample from the k most likely tokens; 0 means all
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the reply
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the reply
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token appears in the reply
     seed: int | None = None  # same seed, same prompt, same params: same tokens, whatever the batch
 
     @property
@@ -38,16 +41,22 @@ class Sampler:
     @property
     def plain(self) -> bool:
         """Greedy with no penalty: the batch's one argmax serves this row."""
-        return self.params.greedy and self.params.repetition_penalty == 1.0
+        p = self.params
+        return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor) -> int:
-        """The next token from one row of float32 ``logits``; ``seen`` holds the prompt and reply ids."""
+    def __call__(self, logits: torch.Tensor, prompt: torch.Tensor, reply: torch.Tensor) -> int:
+        """The next token from one row of float32 ``logits``, given the ``prompt`` and ``reply`` ids so far."""
         p = self.params
         if p.repetition_penalty != 1.0:
             # As in transformers' RepetitionPenaltyLogitsProcessor: shrink positive logits, grow negative.
+            seen = torch.cat([prompt, reply])
             scores = logits.gather(0, seen)
             scores = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
             logits = logits.scatter(0, seen, scores)
+        if (p.presence_penalty or p.frequency_penalty) and reply.numel():
+            # As OpenAI (and vLLM) define them: on the reply's tokens only, not the prompt's.
+            counts = torch.zeros_like(logits).index_add_(0, reply, torch.ones_like(reply, dtype=logits.dtype))
+            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
         if p.greedy:
             return int(logits.argmax())
         logits = logits / p.temperature

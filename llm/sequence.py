@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from llm.sampling import Sampler, SamplingParams
 from serving.stops import TextTracker
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability under the model (before sampling settings), and the most likely
+    alternatives at its position, most likely first."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class Overloaded(RuntimeError):
@@ -23,6 +32,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()  # matched on the decoded text of the reply
     ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
 
     @property
     def reserved_tokens(self) -> int:
@@ -58,6 +68,7 @@ class Sequence:
     handle: Any = None  # the caller's token for this request (a Triton response sender in the server)
     stream: bool = False  # the caller wants every token, not only the end
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, when the request asks
     finish_reason: str | None = None  # stop, length, cancelled, rejected (overload) or error
     error: str | None = None
     sent_tokens: int = 0  # output_ids already handed to the caller (kept by whoever answers) ...

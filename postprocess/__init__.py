@@ -21,12 +21,23 @@ class PostprocessConfig:
 @dataclass(frozen=True)
 class Chunk:
     """One llm response: every id so far, how many an earlier response already covered, and whether
-    this is the last one."""
+    this is the last one. ``logprobs`` (when the request asked) has a row per id: its log-probability,
+    then its top alternatives', whose ids are ``top_ids``."""
 
     output_ids: list[int]
     sent_tokens: int
     finished: bool
     stop: tuple[str, ...] = ()
+    logprobs: list[list[float]] | None = None
+    top_ids: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one response adds: its text, and (when asked) the tokens that text shows, in OpenAI's shape."""
+
+    text: str
+    logprobs: list[dict] | None = None
 
 
 class Detokenizer:
@@ -42,22 +53,52 @@ class Detokenizer:
                 f"({self.fingerprint!r}): load preprocess and postprocess with the same tokenizer vocabulary"
             )
 
-    def text(self, chunk: Chunk) -> str:
+    def delta(self, chunk: Chunk) -> Delta:
         """The text this response adds to the reply (the whole reply when nothing was sent before).
 
         Stateless incremental detokenization: the text visible after all ids minus the text that was
         visible after the ids already sent. Visible text never ends inside a UTF-8 character or in a
         tail that could still become a stop string, so chunks are always valid UTF-8, never leak a stop
         string, and add up to exactly the text of a non-streamed reply.
+
+        A token's logprobs go with the response whose text first shows all of that token's text, so a
+        client that joins chunks gets each token once, beside its text; the last response carries the
+        rest (a stop string's tokens, whose text is never shown).
         """
         ids = chunk.output_ids
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise InvalidInput(f"output_ids holds id {bad[0]}, outside the tokenizer vocabulary of {self.vocab_size}")
-        if not 0 <= chunk.sent_tokens <= len(ids):
-            raise InvalidInput(f"sent_tokens must be in [0, {len(ids)}], got {chunk.sent_tokens}")
-        now = visible_text(decode_text(self.tokenizer, ids), chunk.stop, chunk.finished)
-        if chunk.sent_tokens == 0:
-            return now
-        before = visible_text(decode_text(self.tokenizer, ids[: chunk.sent_tokens]), chunk.stop, final=False)
-        return now[len(before):]
+        sent = chunk.sent_tokens
+        if not 0 <= sent <= len(ids):
+            raise InvalidInput(f"sent_tokens must be in [0, {len(ids)}], got {sent}")
+        now = visible_text(self._decode(ids), chunk.stop, chunk.finished)
+        before = visible_text(self._decode(ids[:sent]), chunk.stop, final=False) if sent else ""
+        text = now[len(before):]
+        if chunk.logprobs is None:
+            return Delta(text)
+        if len(chunk.logprobs) != len(ids) or len(chunk.top_ids or []) != len(ids):
+            raise InvalidInput(f"output_logprobs and top_logprob_ids need a row per output id ({len(ids)})")
+        first = self._shown(ids[:sent], len(before))
+        last = len(ids) if chunk.finished else self._shown(ids, len(now))
+        return Delta(text, [self._entry(ids[i], chunk.logprobs[i], chunk.top_ids[i]) for i in range(first, last)])
+
+    def _decode(self, ids: list[int]) -> str:
+        return decode_text(self.tokenizer, ids)
+
+    def _shown(self, ids: list[int], visible: int) -> int:
+        """How many of ``ids`` have all their text among the first ``visible`` characters."""
+        for count in range(len(ids), 0, -1):
+            text = self._decode(ids[:count])
+            if len(text) <= visible and not text.endswith("\ufffd"):
+                return count
+        return 0
+
+    def _entry(self, token: int, logprobs: list[float], top_ids: list[int]) -> dict:
+        """One token as OpenAI's chat ``logprobs.content`` item: its text, bytes and top alternatives."""
+        def text(i: int) -> dict:
+            piece = self.tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            return {"token": piece, "bytes": list(piece.encode("utf-8"))}
+
+        top = [{**text(i), "logprob": lp} for i, lp in zip(top_ids, logprobs[1:])]
+        return {**text(token), "logprob": logprobs[0], "top_logprobs": top}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
 from transformers import AutoTokenizer
 
-from postprocess import Chunk, Detokenizer, PostprocessConfig
+from postprocess import Chunk, Delta, Detokenizer, PostprocessConfig
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 from serving.errors import InvalidInput
 from serving.params import read_parameters
@@ -72,6 +73,13 @@ def test_raw_prompt_skips_the_template(preprocessor, tokenizer):
     assert ids == tokenizer.encode("Once upon a time")
 
 
+def test_messages_carry_a_whole_conversation_through_the_chat_template(preprocessor, tokenizer):
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a colour."}]
+    ids = preprocessor.encode(PromptRequest(messages=json.dumps(conversation).encode()))
+    assert ids == list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True))
+
+
 @pytest.mark.parametrize(
     "request_, message",
     [
@@ -81,6 +89,16 @@ def test_raw_prompt_skips_the_template(preprocessor, tokenizer):
         (PromptRequest(b"x" * 1001), "text_input is 1001 bytes; the limit is 1000 bytes"),
         (PromptRequest(b"hi", b"\xc3"), "system_prompt is not valid UTF-8"),
         (PromptRequest(b"hi", b"sys", apply_chat_template=False), "system_prompt needs apply_chat_template=true"),
+        (PromptRequest(), "text_input is required"),
+        (PromptRequest(b"hi", messages=b'[{"role": "user", "content": "x"}]'), "either messages or text_input"),
+        (PromptRequest(messages=b"[{"), "messages is not valid JSON"),
+        (PromptRequest(messages=b"{}"), "messages must be a non-empty JSON list"),
+        (PromptRequest(messages=b'[{"role": "user"}]'), r"messages\[0\] must be an object with exactly the keys role and content"),
+        (PromptRequest(messages=b'[{"role": "tool", "content": "x"}]'), r"messages\[0\].role must be one of system, user, assistant"),
+        (PromptRequest(messages=b'[{"role": "user", "content": 5}]'), r"messages\[0\].content must be a string"),
+        (PromptRequest(messages=b'[{"role": "system", "content": "x"}]'), "at least one user message"),
+        (PromptRequest(messages=b'[{"role": "user", "content": "x"}]', apply_chat_template=False), "messages needs apply_chat_template=true"),
+        (PromptRequest(messages=b"[" + b"1," * 600 + b"1]"), "messages is 1203 bytes; the limit is 1000 bytes"),
     ],
 )
 def test_bad_prompts_name_the_field(preprocessor, request_, message):
@@ -99,16 +117,17 @@ def detokenizer(model_dir) -> Detokenizer:
 
 
 def whole(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> str:
-    return detokenizer.text(Chunk(ids, 0, finished=True, stop=stop))
+    return detokenizer.delta(Chunk(ids, 0, finished=True, stop=stop)).text
 
 
-def stream(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (), every: int = 1,
-           starts: list[int] | None = None) -> list[str]:
-    """The chunks of a stream as llm sends them: a response every ``every`` tokens and at the end (the last
-    id, or the one that completes a stop string), each carrying only the tail of the ids that
-    ``TextTracker.window`` says postprocess needs."""
+def deltas(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (), every: int = 1,
+           starts: list[int] | None = None, logprobs: bool = False) -> list[Delta]:
+    """A stream's responses as llm sends them: one every ``every`` tokens and at the end (the last id, or
+    the one that completes a stop string), each carrying only the tail of the ids that
+    ``TextTracker.window`` says postprocess needs. With ``logprobs``, each id's logprob is its position."""
     tracker = TextTracker(lambda some: decode_text(detokenizer.tokenizer, some), stop)
-    chunks, sent = [], 0
+    rows = [[-float(i), -1.0] for i in range(len(ids))]
+    found, sent = [], 0
     for n in range(1, len(ids) + 1):
         finished = tracker.add(ids[:n]) or n == len(ids)
         if n % every and not finished:
@@ -116,11 +135,20 @@ def stream(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (),
         start = tracker.window(sent)
         if starts is not None:
             starts.append(start)
-        chunks.append(detokenizer.text(Chunk(ids[start:n], sent - start, finished=finished, stop=stop)))
+        found.append(detokenizer.delta(Chunk(
+            ids[start:n], sent - start, finished=finished, stop=stop,
+            logprobs=rows[start:n] if logprobs else None, top_ids=[[0]] * (n - start) if logprobs else None,
+        )))
         sent = n
         if finished:
-            return chunks
-    return chunks
+            return found
+    return found
+
+
+def stream(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (), every: int = 1,
+           starts: list[int] | None = None) -> list[str]:
+    """The text chunks of ``deltas``."""
+    return [d.text for d in deltas(detokenizer, ids, stop, every, starts)]
 
 
 def test_detokenizer_round_trips_chinese_and_emoji(detokenizer, tokenizer):
@@ -171,6 +199,23 @@ def test_a_response_carries_a_few_ids_not_the_whole_reply(detokenizer, tokenizer
     starts: list[int] = []
     stream(detokenizer, ids, every=1, starts=starts)
     assert len(ids) > 200 and max(n - start for n, start in enumerate(starts, 1)) <= 4
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("stop", [(), ("行 line 5",)])
+def test_each_tokens_logprobs_arrive_once_with_the_chunk_that_shows_its_text(detokenizer, tokenizer, every, stop):
+    ids = tokenizer.encode(LONG)
+    found = deltas(detokenizer, ids, stop, every, logprobs=True)
+    positions = [-int(entry["logprob"]) for d in found for entry in d.logprobs]
+    assert positions == list(range(len(positions)))  # each token once, in order ...
+    assert positions[-1] == len(ids) - 1 if not stop else positions[-1] < len(ids)  # ... up to the last generated
+    text, count = "", 0
+    for d in found[:-1]:  # every token so far has all its text in the chunks so far
+        text, count = text + d.text, count + len(d.logprobs)
+        assert text.startswith(decode_text(tokenizer, ids[:count]))
+    entry = next(e for d in found for e in d.logprobs)
+    assert entry["token"] == tokenizer.decode([ids[0]]) and entry["bytes"] == list(entry["token"].encode())
+    assert entry["top_logprobs"] == [{"token": tokenizer.decode([0]), "bytes": list(tokenizer.decode([0]).encode()), "logprob": -1.0}]
 
 
 def test_the_text_tracker_finds_a_stop_string_at_the_token_that_completes_it(tokenizer):

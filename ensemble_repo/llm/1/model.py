@@ -19,7 +19,8 @@ from serving.metrics import TritonMetrics
 from serving.params import read_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "seed")
+SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+            "top_logprobs")
 
 
 class Handle(NamedTuple):
@@ -27,6 +28,16 @@ class Handle(NamedTuple):
 
     sender: "pb_utils.InferenceResponseSender"
     generation_id: str
+
+
+def _logprobs(seq: Sequence, start: int, end: int) -> dict[str, np.ndarray]:
+    """The log-probabilities of ``output_ids[start:end]``, a row per id: the id's own, then its top
+    alternatives (and their ids). Zero columns when the request did not ask."""
+    k = seq.request.logprobs
+    rows = seq.logprobs[start:end] if k is not None else []
+    values = np.array([[lp.logprob, *lp.top_logprobs] for lp in rows], dtype=np.float32).reshape(len(rows), -1 if rows else 0)
+    ids = np.array([lp.top_ids for lp in rows], dtype=np.int32).reshape(len(rows), k or 0)
+    return {"output_logprobs": values[None], "top_logprob_ids": ids[None]}
 
 
 class TritonPythonModel:
@@ -82,6 +93,7 @@ class TritonPythonModel:
             ids.tolist(), scalar(request, "max_tokens"),
             **{name: scalar(request, name) for name in SAMPLING},
             stop=None if stop is None else list(stop), ignore_eos=bool(scalar(request, "ignore_eos")),
+            logprobs=bool(scalar(request, "logprobs")),
             tokenizer_fingerprint=None if fingerprint is None else decode_utf8("tokenizer_fingerprint", fingerprint),
         )
 
@@ -115,6 +127,7 @@ class TritonPythonModel:
             tokenizer_fingerprint=self.fingerprint,
             stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
             generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
+            **_logprobs(seq, start, count),
         ), flags=FINAL if finished else 0)
         seq.sent_tokens = count
         return finished

@@ -37,14 +37,19 @@ class TritonPythonModel:
             self.detokenizer.check(decode_utf8("tokenizer_fingerprint", fingerprint))
             finish_reason = scalar(request, "finish_reason") or b""
             stop = single(request, "stop")
-            text = self.detokenizer.text(Chunk(
+            logprobs, top_ids = single(request, "output_logprobs"), single(request, "top_logprob_ids")
+            asked = logprobs is not None and top_ids is not None and logprobs.shape[-1] > 0
+            delta = self.detokenizer.delta(Chunk(
                 ids.tolist(), scalar(request, "sent_tokens") or 0, finished=bool(finish_reason),
                 stop=() if stop is None else tuple(decode_utf8("stop", s) for s in stop),
+                logprobs=logprobs.tolist() if asked else None, top_ids=top_ids.tolist() if asked else None,
             ))
         except InvalidInput as e:
             return error_response(e)
+        token_logprobs = b"" if delta.logprobs is None else json.dumps(delta.logprobs).encode()
         return response(
-            text_output=np.array([[text.encode("utf-8")]], dtype=np.object_),
+            text_output=np.array([[delta.text.encode("utf-8")]], dtype=np.object_),
+            token_logprobs=np.array([[token_logprobs]], dtype=np.object_),
             completion_tokens=np.array([[scalar(request, "completion_tokens") or 0]], dtype=np.int32),
             prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
             finish_reason=np.array([[finish_reason]], dtype=np.object_),

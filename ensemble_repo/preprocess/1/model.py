@@ -25,13 +25,11 @@ class TritonPythonModel:
 
     def _respond(self, request) -> "pb_utils.InferenceResponse":
         try:
-            text = scalar(request, "text_input")
-            if text is None:
-                raise InvalidInput("text_input is required")
             template = scalar(request, "apply_chat_template")
-            ids = self.preprocessor.encode(
-                PromptRequest(text, scalar(request, "system_prompt"), True if template is None else bool(template))
-            )
+            ids = self.preprocessor.encode(PromptRequest(
+                scalar(request, "text_input"), scalar(request, "system_prompt"),
+                True if template is None else bool(template), scalar(request, "messages"),
+            ))
         except InvalidInput as e:
             return error_response(e)
         return response(input_ids=np.array([ids], dtype=np.int32), tokenizer_fingerprint=self.fingerprint)
