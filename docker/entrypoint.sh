@@ -2,6 +2,12 @@
 # Start Triton on the chat pipeline; llm runs on the GPUs when the container sees any, else on the CPU
 # (ensemble_repo/llm/configs/cpu.pbtxt), so one image serves both without edits.
 set -e
+# `openai`: the OpenAI-compatible front end instead (python -m openai_frontend; TRITON_GRPC_URL says where
+# Triton is, API_KEYS or API_KEYS_FILE turn keys on). Compose runs it as its own service from this image.
+if [ "$1" = "openai" ]; then
+  shift
+  exec python3 -m openai_frontend "$@"
+fi
 if nvidia-smi -L >/dev/null 2>&1; then
   config=""
 else

@@ -2,7 +2,8 @@
 
 ``MODEL_DIR`` selects the model folder (any local Hugging Face causal LM with its tokenizer); unset, the
 default SmolLM2-135M-Instruct is prepared once under ``.cache/models/``. Ports come from ``HTTP_PORT``,
-``GRPC_PORT`` and ``METRICS_PORT`` (8000/8001/8002).
+``GRPC_PORT``, ``METRICS_PORT`` and ``OPENAI_PORT`` (8000/8001/8002/9000). ``serve`` and ``run`` start the
+OpenAI-compatible front end beside Triton unless given ``--no-openai``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
 from launcher.watchdog import Watchdog, healthy, python_models
@@ -42,17 +44,27 @@ def start_server(log_path: Path | None) -> TritonServer:
     return TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path, model_config_name=config_name).start()
 
 
-def serve() -> int:
+def start_frontend(server: TritonServer, log_path: Path | None) -> OpenAIFrontend:
+    """The OpenAI API for ``server``'s model, named after its folder unless ``OPENAI_MODEL_NAME`` says."""
+    name = os.environ.get("OPENAI_MODEL_NAME") or Path(server.model_env["MODEL_DIR"]).name
+    return OpenAIFrontend(server, name, log_path=log_path).start()
+
+
+def serve(args: argparse.Namespace) -> int:
     try:
         server = start_server(log_path=None)
+        frontend = None if args.no_openai else start_frontend(server, log_path=None)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         return server.process.wait()
     except KeyboardInterrupt:
-        server.stop()
         return 0
+    finally:
+        if frontend:
+            frontend.stop()
+        server.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,12 +72,15 @@ def run(args: argparse.Namespace) -> int:
 
     log_path = CACHE_DIR / "logs" / "tritonserver.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    frontend = None
     try:
         server = start_server(log_path)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
+        if not args.no_openai:
+            frontend = start_frontend(server, log_path.with_name("openai.log"))
         log.info("starting tritonserver (log: %s)", log_path)
         server.wait_ready()
         client = ChatClient(f"127.0.0.1:{server.ports.http}")
@@ -73,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
         client.close()
         if args.once:
             return 0
-        log.info("serving on http :%d, grpc :%d, metrics :%d; Ctrl-C to stop",
-                 server.ports.http, server.ports.grpc, server.ports.metrics)
+        if frontend:
+            frontend.wait_ready()
+        log.info("serving on http :%d, grpc :%d, metrics :%d%s; Ctrl-C to stop", server.ports.http,
+                 server.ports.grpc, server.ports.metrics,
+                 f", OpenAI API :{frontend.port} (model {frontend.model_name!r})" if frontend else "")
         server.process.wait()
         return server.process.returncode
     except KeyboardInterrupt:
@@ -83,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}\n{server.log_tail()}", file=sys.stderr)
         return 1
     finally:
+        if frontend:
+            frontend.stop()
         server.stop()
 
 
@@ -115,19 +135,23 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="prepare the default model folder (once) and print its path")
-    sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
+    serve_parser = sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
+    serve_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
     sub.add_parser("watch", help="reload a model whose Python stub died (needs ADMIN_KEY), until SIGTERM")
     sub.add_parser("health", help="exit 0 when Triton is ready and no Python stub has died")
     run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
     run_parser.add_argument("--prompt", default="What is the capital of France?")
     run_parser.add_argument("--max-tokens", type=int, dest="max_tokens", default=None)
     run_parser.add_argument("--once", action="store_true", help="exit after the reply")
+    run_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         print(prepare_default_model())
         return 0
-    commands = {"serve": serve, "watch": watch, "health": health}
-    return commands[args.command]() if args.command in commands else run(args)
+    commands = {"watch": watch, "health": health}
+    if args.command in commands:
+        return commands[args.command]()
+    return serve(args) if args.command == "serve" else run(args)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,7 @@ class Ports:
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
+    openai: int = 9000  # the OpenAI-compatible front end (launcher/frontend.py)
 
     @classmethod
     def from_env(cls) -> "Ports":
@@ -155,11 +156,12 @@ class Ports:
             int(os.environ.get("HTTP_PORT", 8000)),
             int(os.environ.get("GRPC_PORT", 8001)),
             int(os.environ.get("METRICS_PORT", 8002)),
+            int(os.environ.get("OPENAI_PORT", 9000)),
         )
 
     @classmethod
     def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port())
+        return cls(free_port(), free_port(), free_port(), free_port())
 
 
 @dataclass

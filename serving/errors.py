@@ -21,3 +21,16 @@ def decode_utf8(field: str, raw: bytes) -> str:
 INTERNAL_ERROR = "internal error: "
 CANCELLED = "request cancelled"
 OVERLOADED = "overloaded: "  # leads a refusal for load (UNAVAILABLE): the client may retry later
+
+
+def classify(message: str) -> str:
+    """What an error from the pipeline was, from its message alone: ``internal``, ``overloaded``,
+    ``cancelled`` or ``invalid`` (the client's mistake). Triton 2.51 hands BLS callers and gRPC stream
+    clients the message of an error but not its code."""
+    if INTERNAL_ERROR in message:
+        return "internal"
+    if OVERLOADED in message or "Exceeds maximum queue size" in message:  # llm's or Triton's queue is full
+        return "overloaded"
+    if CANCELLED in message:
+        return "cancelled"
+    return "invalid"

@@ -11,8 +11,9 @@ import requests
 from transformers import AutoTokenizer
 
 from client import ChatClient
+from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
-from launcher.triton import MODEL_REPOSITORY, Ports, TritonServer, repository_variant
+from launcher.triton import MODEL_REPOSITORY, Ports, TritonServer, free_port, repository_variant
 
 ADMIN_KEY = "test-admin-key"
 _servers: list[TritonServer] = []
@@ -59,6 +60,38 @@ def float32_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
     repository = repository_variant(tmp_path_factory.mktemp("float32") / "repository", float32)
     yield from running_server(model_dir, tmp_path_factory, repository)
+
+
+def running_frontend(server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, **env: str):
+    """``python -m openai_frontend`` for ``server``, as ``make serve`` starts it; ``env`` adds settings."""
+    log_path = tmp_path_factory.mktemp("openai") / "openai.log"
+    frontend = OpenAIFrontend(server, model_dir.name, env=env, log_path=log_path, port=free_port()).start()
+    try:
+        frontend.wait_ready()
+        yield frontend
+    finally:
+        frontend.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_frontend(server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> OpenAIFrontend:
+    yield from running_frontend(server, model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def float32_frontend(float32_server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> OpenAIFrontend:
+    """For comparing a choice of n with the same request alone (see float32_server)."""
+    yield from running_frontend(float32_server, model_dir, tmp_path_factory)
+
+
+@pytest.fixture
+def openai_client(openai_frontend: OpenAIFrontend):
+    """The official ``openai`` client on the session's front end, without its retries (they hide errors)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{openai_frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

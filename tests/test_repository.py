@@ -98,9 +98,11 @@ def test_tokenizer_models_run_on_the_cpu():
 
 
 def test_client_sends_exactly_the_ensemble_input_names():
-    prompt = Prompt("hi", 4, "sys", False, 0.5, 0.9, 40, 1.1, 7, ["\n"], True)
+    prompt = Prompt("hi", 4, "sys", False, 0.5, 0.9, 40, 1.1, 7, ["\n"], True, None, 0.1, 0.2, True, 2)
     names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
-    assert names == {t.name for t in config("ensemble").input}
+    conversation = Prompt(messages=[{"role": "user", "content": "hi"}])
+    assert {i.name() for i in build_inputs(httpclient, conversation)} == {"messages"}
+    assert names | {"messages"} == {t.name for t in config("ensemble").input}
 
 
 # Dockerfile and compose.yaml (no Docker engine here: check them against the repository)

@@ -15,7 +15,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from serving.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED
+from serving.errors import INTERNAL_ERROR, OVERLOADED, classify
 from serving.inflight import InFlight
 from serving.stubs import DeathWatch
 
@@ -23,15 +23,12 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GUARD_SECONDS = 1.0
 
 
+CODES = {"internal": "INTERNAL", "overloaded": "UNAVAILABLE", "cancelled": "CANCELLED", "invalid": "INVALID_ARG"}
+
+
 def _error(message: str) -> "pb_utils.TritonError":
     """The ensemble's error with its code back: BLS keeps only the message, which says which it was."""
-    if INTERNAL_ERROR in message:
-        return pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
-    if OVERLOADED in message or "Exceeds maximum queue size" in message:  # llm's or Triton's queue is full
-        return pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
-    if CANCELLED in message:
-        return pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED)
-    return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, CODES[classify(message)]))
 
 
 class TritonPythonModel:

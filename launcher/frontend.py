@@ -1,0 +1,76 @@
+"""Start and stop the OpenAI-compatible front end (``python -m openai_frontend``) beside a tritonserver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from launcher.triton import REPO_ROOT, TritonServer, port_is_free
+
+
+@dataclass
+class OpenAIFrontend:
+    """One front end process for ``triton``, on ``triton.ports.openai``; ``env`` adds settings such as
+    ``API_KEYS`` or ``OPENAI_REQUEST_TIMEOUT`` (see ``openai_frontend/__main__.py``)."""
+
+    triton: TritonServer
+    model_name: str
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = 0  # 0: the server's ports.openai
+    process: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.port or self.triton.ports.openai
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "OpenAIFrontend":
+        if not port_is_free(self.port):
+            raise RuntimeError(f"port {self.port} (OPENAI_PORT) is already in use; stop that server or set OPENAI_PORT")
+        env = {**os.environ, "TRITON_GRPC_URL": self.triton.grpc_url, "OPENAI_PORT": str(self.port),
+               "OPENAI_MODEL_NAME": self.model_name, "TRITON_PID": str(self.triton.process.pid), **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
+        out = open(self.log_path, "wb") if self.log_path else None
+        self.process = subprocess.Popen([sys.executable, "-m", "openai_frontend"], env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until ``/health`` answers (200 once Triton is ready, 503 before): the process listens."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the OpenAI front end exited with code {self.process.returncode}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the OpenAI front end on :{self.port} not ready after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.process or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "OpenAIFrontend":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,65 @@
+"""``python -m openai_frontend``: the OpenAI-compatible API beside a running tritonserver.
+
+Every option has an environment variable, so the launcher, the image and compose configure it the same
+way: ``TRITON_GRPC_URL``, ``OPENAI_PORT`` (9000, as Triton's own OpenAI frontend), ``OPENAI_MODEL_NAME``
+(default: the name of ``MODEL_DIR``'s folder), ``OPENAI_REQUEST_TIMEOUT`` (seconds), ``API_KEYS``
+(comma-separated) or ``API_KEYS_FILE`` (one key a line) and ``TRITON_PID``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from openai_frontend.app import Settings, create_app
+
+
+def default_model_name() -> str:
+    model_dir = os.environ.get("MODEL_DIR")
+    return Path(model_dir).resolve().name if model_dir else "ensemble"
+
+
+def api_keys(inline: str, key_file: str) -> frozenset[str]:
+    keys = {k.strip() for k in inline.split(",") if k.strip()}
+    if key_file:
+        keys |= {line.strip() for line in Path(key_file).read_text().splitlines() if line.strip() and not line.startswith("#")}
+    return frozenset(keys)
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--triton-url", default=env("TRITON_GRPC_URL", f"127.0.0.1:{env('GRPC_PORT', '8001')}"),
+                        help="Triton's gRPC host:port")
+    parser.add_argument("--host", default=env("OPENAI_HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(env("OPENAI_PORT", "9000")))
+    parser.add_argument("--model-name", default=env("OPENAI_MODEL_NAME") or default_model_name(),
+                        help="the model id clients send and /v1/models lists")
+    parser.add_argument("--request-timeout", type=float, default=float(env("OPENAI_REQUEST_TIMEOUT", "600")),
+                        help="server-side deadline in seconds (a client's X-Request-Timeout header may shorten it)")
+    parser.add_argument("--api-keys", default=env("API_KEYS", ""), help="comma-separated; unset: no keys needed")
+    parser.add_argument("--api-keys-file", default=env("API_KEYS_FILE", ""), help="one key a line")
+    parser.add_argument("--triton-pid", type=int, default=int(env("TRITON_PID", "0")) or None,
+                        help="the tritonserver whose Python stubs to watch (default: any on this host)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not args.request_timeout > 0:
+        parser.error("--request-timeout must be > 0")
+    settings = Settings(args.triton_url, args.model_name, args.request_timeout,
+                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid)
+    logging.getLogger("openai_frontend").info(
+        "OpenAI API for %r on :%d over Triton gRPC %s, deadline %g s, %s", settings.model_name, args.port,
+        settings.triton_url, settings.request_timeout,
+        f"{len(settings.api_keys)} API keys" if settings.api_keys else "no API keys (open)")
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

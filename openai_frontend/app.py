@@ -1,0 +1,447 @@
+"""The OpenAI-compatible HTTP API: FastAPI routes over ``Triton.generate``.
+
+This process never tokenizes: chat messages go to the ensemble's ``messages`` input and raw prompts to
+``text_input`` with the chat template off, so preprocess (and a tokenizer swapped into it) decides the
+tokens for OpenAI clients exactly as for every other client.
+
+A request is answered the OpenAI way whatever happens: a body that is not JSON, a wrong type or an
+unsupported field is a 400 naming the field; the pipeline's own refusals keep their messages; overload and
+a dead stub are 503 with ``Retry-After``; a request past its deadline is 504. Streaming errors that come
+after the first byte arrive as an ``error`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+
+from client import Prompt
+from openai_frontend.schemas import (
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
+    ChatLogprobs, ChatMessage, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Error,
+    ErrorResponse, GenerationFields, Model, ModelList, UnsupportedField, Usage, refuse_unsupported,
+)
+from openai_frontend.triton import Piece, PipelineError, Triton
+
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens (never lengthens) the server's deadline
+RETRY_AFTER_SECONDS = 1
+STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499, "timeout": 504}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               503: "service_unavailable", 504: "timeout", 500: "internal_error", 499: "cancelled"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    triton_url: str = "127.0.0.1:8001"
+    model_name: str = "ensemble"
+    request_timeout: float = 600.0  # seconds from arrival to the last byte
+    api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+    triton_pid: int | None = None  # the tritonserver whose stubs to watch; None: any on this host
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @classmethod
+    def of(cls, error: PipelineError) -> "APIError":
+        return cls(STATUS[error.kind], str(error), code=error.kind)
+
+    def body(self) -> dict:
+        error = Error(message=str(self), type=ERROR_TYPES.get(self.status, "error"), param=self.param, code=self.code)
+        return ErrorResponse(error=error).model_dump()
+
+    def response(self) -> JSONResponse:
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers=retry)
+
+
+class Metrics:
+    """The front end's own Prometheus metrics, served on its ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("openai_requests_total", "HTTP requests answered", ["route", "status"], registry=r)
+        self.latency = Histogram("openai_request_duration_seconds", "From arrival to the last byte", ["route"],
+                                 buckets=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300], registry=r)
+        self.ttft = Histogram("openai_time_to_first_token_seconds", "From arrival to the first generated text",
+                              ["route"], buckets=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60], registry=r)
+        self.prompt_tokens = Counter("openai_prompt_tokens_total", "Prompt tokens of answered requests", registry=r)
+        self.completion_tokens = Counter("openai_completion_tokens_total", "Tokens generated for answered requests", registry=r)
+        self.in_flight = Gauge("openai_requests_in_flight", "Requests being answered", registry=r)
+
+
+class Deadline:
+    def __init__(self, request: Request, settings: Settings) -> None:
+        seconds = settings.request_timeout
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is not None:
+            try:
+                asked = float(raw)
+            except ValueError:
+                asked = float("nan")
+            if not 0 < asked < float("inf"):
+                raise APIError(400, f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}",
+                               TIMEOUT_HEADER)
+            seconds = min(seconds, asked)
+        self.seconds = seconds
+        self.at = asyncio.get_running_loop().time() + seconds
+
+    def error(self) -> APIError:
+        return APIError(504, f"the request did not finish within its deadline of {self.seconds:g} s", code="timeout")
+
+
+def _pipeline_prompts(body: GenerationFields, base: dict, n: int) -> list[Prompt]:
+    """n generations of one prompt, seeded ``seed``, ``seed+1``, ... when a seed is given."""
+    common = dict(
+        max_tokens=body.budget, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        stop=body.stops(), ignore_eos=body.ignore_eos, **base,
+    )
+    return [Prompt(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]
+
+
+class Reply:
+    """One API's way to present generations: the chat or the legacy completions shape."""
+
+    def __init__(self, body: GenerationFields, model: str) -> None:
+        self.body, self.model = body, model
+        self.id, self.created = f"{self.prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    prefix = ""
+
+    def chunk(self, index: int, piece: Piece, first: bool) -> dict: ...
+
+    def whole(self, choices: list[tuple[str, str, list[dict] | None]], usage: Usage) -> dict: ...
+
+    def usage_chunk(self, usage: Usage) -> dict: ...
+
+
+class ChatReply(Reply):
+    prefix = "chatcmpl"
+
+    def _logprobs(self, items: list[dict] | None) -> ChatLogprobs | None:
+        return ChatLogprobs(content=items or []) if self.body.logprobs else None
+
+    def chunk(self, index: int, piece: Piece, first: bool) -> dict:
+        delta = ChatDelta(role="assistant" if first else None, content=piece.text)
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.logprobs),
+                                 finish_reason=piece.finish_reason or None)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
+            exclude=None if self.body.include_usage else {"usage"})
+
+    def whole(self, choices, usage):
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+            ChatChoice(index=i, message=ChatMessage(content=text), logprobs=self._logprobs(items), finish_reason=reason)
+            for i, (text, reason, items) in enumerate(choices)
+        ]).model_dump()
+
+    def usage_chunk(self, usage):
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump()
+
+
+class CompletionReply(Reply):
+    prefix = "cmpl"
+
+    def __init__(self, body: CompletionRequest, model: str) -> None:
+        super().__init__(body, model)
+        self.offsets: dict[int, int] = {}  # characters of each choice's text so far, for text_offset
+
+    def _logprobs(self, index: int, items: list[dict] | None) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        items, offsets = items or [], []
+        for item in items:
+            offsets.append(self.offsets.get(index, 0))
+            self.offsets[index] = offsets[-1] + len(item["token"])
+        return CompletionLogprobs(
+            tokens=[i["token"] for i in items], token_logprobs=[i["logprob"] for i in items],
+            top_logprobs=[{t["token"]: t["logprob"] for t in i["top_logprobs"]} for i in items], text_offset=offsets,
+        )
+
+    def chunk(self, index, piece, first):
+        choice = CompletionChoice(index=index, text=piece.text, logprobs=self._logprobs(index, piece.logprobs),
+                                  finish_reason=piece.finish_reason or None)
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
+            exclude=None if self.body.include_usage else {"usage"})
+
+    def whole(self, choices, usage):
+        return Completion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+            CompletionChoice(index=i, text=text, logprobs=self._logprobs(i, items), finish_reason=reason)
+            for i, (text, reason, items) in enumerate(choices)
+        ]).model_dump()
+
+    def usage_chunk(self, usage):
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump()
+
+
+class Gate:
+    """API keys on /v1, then metrics for every answer: status, and latency to the last byte (streams
+    included), labelled by route template, not raw path."""
+
+    def __init__(self, app, settings: Settings, metrics: Metrics) -> None:
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+
+        async def recording_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        keys = self.settings.api_keys
+        if scope["path"].startswith("/v1") and keys and not _authorized(Request(scope), keys):
+            error = APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", code="invalid_api_key")
+            await error.response()(scope, receive, recording_send)
+        else:
+            self.metrics.in_flight.inc()
+            try:
+                await self.app(scope, receive, recording_send)
+            finally:
+                self.metrics.in_flight.dec()
+        route = getattr(scope.get("route"), "path", "other")
+        self.metrics.requests.labels(route, str(status[0])).inc()
+        self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
+    triton = triton or Triton(settings.triton_url, settings.triton_pid)
+    metrics = Metrics()
+
+    async def lifespan(app: FastAPI):
+        await triton.start()
+        yield
+        await triton.close()
+
+    app = FastAPI(title="triton-chat OpenAI-compatible API", lifespan=lifespan)
+    app.state.triton, app.state.metrics = triton, metrics
+    app.add_middleware(Gate, settings=settings, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, error: Exception) -> JSONResponse:
+        return APIError(404, f"no route {request.method} {request.url.path}").response()
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, error: Exception) -> JSONResponse:
+        return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = await triton.ready()
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> Model:
+        return Model(id=settings.model_name, created=int(app.state.started))
+
+    app.state.started = time.time()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        _check_model(model, settings)
+        return model_card().model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        deadline = Deadline(request, settings)
+        body = await _parse(request, ChatCompletionRequest, settings)
+        base = {"messages": body.conversation(), "logprobs": body.logprobs or None, "top_logprobs": body.top_logprobs}
+        return await _answer(request, ChatReply(body, settings.model_name), [_pipeline_prompts(body, base, body.n)],
+                             deadline, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        deadline = Deadline(request, settings)
+        body = await _parse(request, CompletionRequest, settings)
+        base = {"apply_chat_template": False, "logprobs": True if body.logprobs is not None else None,
+                "top_logprobs": body.logprobs}
+        groups = [_pipeline_prompts(body, {**base, "text_input": text}, body.n) for text in body.prompts()]
+        return await _answer(request, CompletionReply(body, settings.model_name), groups, deadline, "/v1/completions")
+
+    async def _answer(request: Request, reply: Reply, groups: list[list[Prompt]], deadline: Deadline, route: str) -> Response:
+        """Start every generation (``groups``: the n prompts of each client prompt, choices numbered in
+        that order), then answer whole or as a stream."""
+        start = time.perf_counter()
+        prompts = [p for group in groups for p in group]
+        streams = [triton.generate(p) for p in prompts]
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[Piece]) -> None:
+            try:
+                async for piece in stream:
+                    merged.put_nowait((index, piece))
+            except PipelineError as e:
+                merged.put_nowait((index, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        watcher = asyncio.create_task(_until_disconnected(request))
+
+        async def next_piece() -> tuple[int, Piece | PipelineError]:
+            """The next piece of any generation; raises APIError at the deadline, and CancelledError when
+            the client went away."""
+            getter = asyncio.ensure_future(merged.get())
+            try:
+                timeout = deadline.at - asyncio.get_running_loop().time()
+                done, _ = await asyncio.wait({getter, watcher}, timeout=max(0.0, timeout),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter in done:
+                return getter.result()
+            if watcher in done:
+                raise asyncio.CancelledError("the client disconnected")
+            raise deadline.error()
+
+        async def close() -> None:
+            watcher.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()  # cancels the Triton stream, so llm frees the row
+
+        prompt_tokens, completion_tokens = [0] * len(prompts), [0] * len(prompts)
+        finished: set[int] = set()
+
+        def take(index: int, piece: Piece) -> None:
+            prompt_tokens[index], completion_tokens[index] = piece.prompt_tokens, piece.completion_tokens
+            if piece.finish_reason:
+                finished.add(index)
+
+        def total() -> Usage:
+            n = len(groups[0])  # each client prompt counts once, however many choices it has (as OpenAI counts)
+            usage = Usage.of(sum(prompt_tokens[g * n] for g in range(len(groups))), sum(completion_tokens))
+            metrics.prompt_tokens.inc(usage.prompt_tokens)
+            metrics.completion_tokens.inc(usage.completion_tokens)
+            return usage
+
+        async def more() -> list[tuple[int, Piece]]:
+            index, item = await next_piece()
+            if isinstance(item, PipelineError):
+                raise APIError.of(item)
+            return [(index, item)]
+
+        # Every generation's first piece before answering: the pipeline's refusals become the status.
+        early: list[tuple[int, Piece]] = []
+        try:
+            while len({index for index, _ in early}) < len(prompts):
+                early += await more()
+        except BaseException:
+            await close()
+            raise
+        metrics.ttft.labels(route).observe(time.perf_counter() - start)
+
+        if not reply.body.stream:
+            texts, reasons = [""] * len(prompts), [""] * len(prompts)
+            logprobs: list[list[dict] | None] = [None] * len(prompts)
+            try:
+                pending = early
+                while True:
+                    for index, piece in pending:
+                        take(index, piece)
+                        texts[index] += piece.text
+                        reasons[index] = piece.finish_reason
+                        if piece.logprobs is not None:
+                            logprobs[index] = (logprobs[index] or []) + piece.logprobs
+                    if len(finished) == len(prompts):
+                        break
+                    pending = await more()
+            finally:
+                await close()
+            return JSONResponse(reply.whole(list(zip(texts, reasons, logprobs)), total()))
+
+        async def events() -> AsyncIterator[bytes]:
+            begun: set[int] = set()
+            try:
+                pending = early
+                while True:
+                    for index, piece in pending:
+                        take(index, piece)
+                        if index not in begun or piece.text or piece.finish_reason or piece.logprobs:
+                            yield _sse(reply.chunk(index, piece, index not in begun))
+                        begun.add(index)
+                    if len(finished) == len(prompts):
+                        break
+                    pending = await more()
+                usage = total()
+                if reply.body.include_usage:
+                    yield _sse(reply.usage_chunk(usage))
+            except APIError as e:
+                yield _sse(e.body())
+            finally:
+                await close()
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _authorized(request: Request, keys: frozenset[str]) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
+
+
+def _check_model(model: str, settings: Settings) -> None:
+    if model != settings.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r} (GET /v1/models)",
+                       "model", "model_not_found")
+
+
+async def _parse(request: Request, schema: type[GenerationFields], settings: Settings) -> GenerationFields:
+    """The body as ``schema``, or a 400 that names the field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        refuse_unsupported(data)
+        body = schema.model_validate(data)
+    except UnsupportedField as e:
+        raise APIError(400, str(e), e.field, "unsupported_field") from None
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise APIError(400, f"{param + ': ' if param else ''}{error['msg']}", param) from None
+    _check_model(body.model, settings)
+    return body

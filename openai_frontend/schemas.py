@@ -1,0 +1,265 @@
+"""OpenAI's request and response bodies, as far as this server implements them.
+
+Requests are strict: a wrong type is the client's error (``"max_tokens": "5"`` is refused, not coerced),
+and every field OpenAI defines that this server does not do is refused by name (``UNSUPPORTED``) instead
+of being silently ignored. Ranges are not checked here: the pipeline checks them and its messages reach
+the client unchanged, so the limits live in one place (llm's config). Our extensions (``top_k``,
+``repetition_penalty``, ``ignore_eos``) are accepted beside OpenAI's fields, as vLLM accepts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 8  # choices per request: each is a generation of its own in llm's batch
+
+# OpenAI fields this server does not implement, and why a client should not expect them to work.
+UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model does not reason",
+    "service_tier": "service tiers are not supported",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions are not supported",
+    "best_of": "best_of is not supported; use n",
+    "echo": "echo is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+
+
+class UnsupportedField(Exception):
+    """A field OpenAI defines that this server refuses rather than ignores."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why} by this server")
+        self.field = field
+
+
+def refuse_unsupported(body: dict) -> None:
+    """Name the first OpenAI field in ``body`` that this server does not do (absent, null or off is fine)."""
+    for name, why in UNSUPPORTED.items():
+        value = body.get(name)
+        if value not in (None, False, [], {}) and not (name == "best_of" and value == 1):
+            raise UnsupportedField(name, why)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ContentPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class GenerationFields(Strict):
+    """What both endpoints take."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
+    # Extensions, as vLLM accepts them.
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "GenerationFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "ChatCompletionRequest":
+        if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them (``developer`` is OpenAI's newer name for ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str]
+    logprobs: int | None = None  # the legacy API's: how many top alternatives, 0 to 5
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+# Responses. Built once per reply or chunk; ``exclude_none`` is not used, so absent values are JSON null
+# as OpenAI sends them.
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's shape: parallel lists, and top alternatives as token -> logprob."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triton-chat"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Error(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: Error

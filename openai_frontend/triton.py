@@ -1,0 +1,149 @@
+"""The front end's one way into Triton: a gRPC stream per generation to ``ensemble``.
+
+Every generation streams, whatever the client asked: the first response tells whether the pipeline took
+the request (so a bad request is a 4xx before any byte of a stream goes out), and a client that goes away
+cancels the stream, which Triton hands on to llm (``serving/cancel.py``) so its batch row is freed.
+
+Triton 2.51 never answers the requests a dead decoupled stub held, so a watch on llm's stub processes
+(``serving/stubs.py``, the same one ensemble_infer uses) fails every generation in flight when one dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException
+
+from client import OUTPUTS, STREAM_MODEL, Prompt, build_inputs, parse_logprobs
+from serving.errors import classify
+from serving.stubs import DeathWatch
+
+log = logging.getLogger("openai_frontend")
+
+WATCH_SECONDS = 1.0
+GUARDED_MODELS = ("llm", "preprocess", "postprocess")
+
+
+class PipelineError(Exception):
+    """A generation that failed; ``kind`` is ``invalid`` (the client's mistake), ``overloaded``,
+    ``unavailable`` (Triton unreachable, or a stub died), ``internal`` or ``cancelled``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One ensemble response: the text it adds, the counts so far, and its tokens' logprobs if asked."""
+
+    text: str
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: str  # empty until the last piece: stop or length
+    logprobs: list[dict] | None
+
+
+def _piece(result: grpcclient.InferResult) -> Piece:
+    value = lambda name: result.as_numpy(name)[0][0]  # noqa: E731
+    return Piece(value("text_output").decode("utf-8"), int(value("completion_tokens")),
+                 int(value("prompt_tokens")), value("finish_reason").decode("utf-8"),
+                 parse_logprobs(value("token_logprobs")))
+
+
+def _error(error: Exception) -> PipelineError:
+    if isinstance(error, InferenceServerException):
+        message = error.message() or str(error)
+        if "failed to connect" in message.lower() or "unavailable" in (error.status() or "").lower():
+            return PipelineError("unavailable", f"Triton is unreachable: {message}")
+        return PipelineError(classify(message), message)
+    return PipelineError("unavailable", f"Triton is unreachable: {error}")
+
+
+class Triton:
+    def __init__(self, url: str, server_pid: int | None = None) -> None:
+        self.url = url
+        self.client: aio.InferenceServerClient | None = None  # made on the serving loop: gRPC aio binds to it
+        self.deaths = DeathWatch(GUARDED_MODELS, server_pid)
+        self._inboxes: set[asyncio.Queue] = set()  # one per generation in flight
+        self._watch: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.client = aio.InferenceServerClient(self.url)
+        self._watch = asyncio.create_task(self._watch_stubs())
+
+    async def close(self) -> None:
+        if self._watch:
+            self._watch.cancel()
+        await self.client.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inboxes)
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready() and await self.client.is_model_ready(STREAM_MODEL)
+        except Exception:  # unreachable is not ready
+            return False
+
+    async def generate(self, prompt: Prompt) -> AsyncIterator[Piece]:
+        """The pieces of one generation, the last with its finish_reason; raises ``PipelineError``.
+        Closing the iterator early cancels the generation in Triton."""
+        inbox: asyncio.Queue = asyncio.Queue()
+        done = asyncio.Event()
+        request = {"model_name": STREAM_MODEL, "inputs": build_inputs(grpcclient, prompt, stream=True),
+                   "outputs": [grpcclient.InferRequestedOutput(name) for name in OUTPUTS]}
+
+        async def requests():
+            yield request
+            await done.wait()  # the request side stays open until the reply is complete
+
+        responses = self.client.stream_infer(requests())
+
+        async def read() -> None:
+            try:
+                async for result, error in responses:
+                    inbox.put_nowait(error or result)
+                    if error is not None:
+                        return
+            except Exception as e:  # the stream broke: Triton went away
+                inbox.put_nowait(e)
+
+        self._inboxes.add(inbox)
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, Exception):
+                    raise item if isinstance(item, PipelineError) else _error(item)
+                piece = _piece(item)
+                yield piece
+                if piece.finish_reason:
+                    return
+        finally:
+            self._inboxes.discard(inbox)
+            done.set()
+            responses.cancel()
+            reader.cancel()
+
+    async def _watch_stubs(self) -> None:
+        """Fail every generation in flight when a pipeline stub dies: Triton would never answer them."""
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            try:
+                dead = await asyncio.to_thread(self.deaths.look)
+            except Exception as e:  # the watch must outlive a failed look
+                log.warning("stub watch: %s", e)
+                continue
+            if dead:
+                model = sorted(dead)[0]
+                log.error("the Python stub of '%s' died: failing %d generations in flight", model, len(self._inboxes))
+                for inbox in list(self._inboxes):
+                    inbox.put_nowait(PipelineError(
+                        "unavailable", f"the Python stub of '{model}' died with this request in flight; retry"))
