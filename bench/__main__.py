@@ -7,6 +7,8 @@ Systems, all on the same weights and the same seeded prompts:
 - ``static``: Triton with the static dynamic-batching ``llm`` the in-flight engine replaced;
 - ``ensemble_http`` (``generate_stream``, streamed) and ``ensemble_grpc`` (KServe infer on
   ``ensemble_infer``): the shipped pipeline;
+- ``openai_http``: the same pipeline through the OpenAI front end (streamed ``/v1/chat/completions``), and
+  in full mode NVIDIA's ``aiperf`` driving that endpoint too (``bench/aiperf.py``);
 - ``llama_server_bf16`` and ``llama_server_f32``: llama.cpp's server (full mode), and ``vllm``, vLLM's CPU
   build, where it runs here (``bench/peers.py``);
 - the roofline: this machine's measured limit in each system's dtype.
@@ -31,10 +33,11 @@ import aiohttp
 import torch
 import tritonclient.grpc.aio as grpcaio
 
-from bench import load, peers, perf_analyzer, report, roofline, workload
+from bench import aiperf, load, peers, perf_analyzer, report, roofline, workload
 from bench.static_llm import StaticGenerator
 from launcher.model import prepare_default_model
-from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu, repository_variant
+from launcher.frontend import OpenAIFrontend
+from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, free_port, has_gpu, repository_variant
 from llm import LLM, LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
@@ -45,6 +48,7 @@ log = logging.getLogger("bench")
 class Plan:
     concurrency: tuple[int, ...]  # the shipped pipeline and its peers
     baseline_concurrency: tuple[int, ...]  # in_process, static and ensemble_grpc
+    openai_concurrency: tuple[int, ...]  # openai_http (fixed workload), and aiperf in full mode
     fixed_tokens: int
     variable_tokens: tuple[int, int]
     perf_analyzer: bool
@@ -55,8 +59,8 @@ class Plan:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 4), (1, 4), 16, (4, 32), perf_analyzer=False, peers=False, rounds=1)
-FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), 64, (8, 128), perf_analyzer=True, peers=True, rounds=2)
+QUICK = Plan((1, 4), (1, 4), (1, 4), 16, (4, 32), perf_analyzer=False, peers=False, rounds=1)
+FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), 64, (8, 128), perf_analyzer=True, peers=True, rounds=2)
 
 
 def machine() -> dict:
@@ -141,6 +145,15 @@ async def sweep_triton(system: str, dtype: str, server: TritonServer, sets: dict
                               grpc_concurrency, server.url)
         await client.close()
     return points
+
+
+async def sweep_openai(frontend: OpenAIFrontend, dtype: str, sets: dict, plan: Plan) -> list[dict]:
+    """The pipeline through the OpenAI front end, on the fixed workload, by the client the peers get."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        send = load.openai_stream(session, frontend.url, frontend.model_name)
+        return await sweep("openai_http", dtype, send, {"fixed": sets["fixed"]}, plan, plan.openai_concurrency,
+                           frontend.triton.url)
 
 
 async def sweep_peer(server: peers.OpenAIServer, sets: dict, plan: Plan, ids: dict[str, list[int]]) -> tuple[list[dict], dict]:
@@ -257,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     del hf, llm
 
     config_name = "" if gpu else "cpu"
+    tool_notes: list[dict] = []
     cache = CACHE_DIR / "torchinductor"
     cache_warm = cache.exists() and any(cache.iterdir())
     server, startup = start(MODEL_REPOSITORY, model_dir, out, "ensemble", config_name)
@@ -264,6 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sets, plan, plan.concurrency,
                                            plan.baseline_concurrency))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
+        frontend = OpenAIFrontend(server, model_dir.name, log_path=out / "openai.log", port=free_port()).start()
+        try:
+            frontend.wait_ready()
+            points += asyncio.run(sweep_openai(frontend, dtype, sets, plan))
+            if plan.peers:  # full mode: a third-party tool on the same endpoint and workload
+                found, note = aiperf.sweep(frontend, sets["fixed"], plan.openai_concurrency, plan.requests, dtype,
+                                           model_dir, out)
+                points += found
+                tool_notes.append(note)
+        finally:
+            frontend.stop()
         cross_check = None
         if plan.perf_analyzer:
             c = 4  # every plan has it
@@ -280,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         static.stop()
 
-    peer_notes: list[dict] = []
+    peer_notes: list[dict] = tool_notes
     if plan.peers:
-        found, peer_notes = run_peers(plan, sets, ids, model_dir, dtype, out)
+        found, notes = run_peers(plan, sets, ids, model_dir, dtype, out)
         points += found
+        peer_notes += notes
 
     points = report.with_ratios(points, limits, contexts)
     results = {
@@ -295,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "contexts": contexts,
         "points": points,
         "targets": report.targets(points),
+        "openai": report.openai_rows(points),
         "peers": peer_notes,
         "ensemble_overhead": overhead,
         "startup_s": startup,

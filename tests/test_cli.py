@@ -22,7 +22,7 @@ def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def port_env(ports: Ports, model_dir) -> dict:
     return {**os.environ, "HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc),
-            "METRICS_PORT": str(ports.metrics), "MODEL_DIR": str(model_dir)}
+            "METRICS_PORT": str(ports.metrics), "OPENAI_PORT": str(ports.openai), "MODEL_DIR": str(model_dir)}
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -66,6 +66,12 @@ def test_launcher_serve_honours_the_port_variables_and_leaves_on_sigterm(model_d
             except requests.RequestException:
                 time.sleep(0.5)
         assert requests.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=10).status_code == 200
+        openai_url = f"http://127.0.0.1:{ports.openai}"  # the OpenAI API beside Triton, named after the model folder
+        deadline = time.monotonic() + 60
+        while not _answers(f"{openai_url}/health"):
+            assert time.monotonic() < deadline, "the OpenAI front end never became healthy"
+            time.sleep(0.5)
+        assert requests.get(f"{openai_url}/v1/models", timeout=10).json()["data"][0]["id"] == model_dir.name
         url = f"http://127.0.0.1:{ports.http}/v2/models/ensemble/generate"
         with ThreadPoolExecutor(1) as pool:  # SIGTERM mid-reply: that reply still completes, new ones are refused
             body = {"text_input": "Tell me a story.", "max_tokens": 128, "ignore_eos": True}
@@ -85,10 +91,52 @@ def test_launcher_serve_honours_the_port_variables_and_leaves_on_sigterm(model_d
             reply = in_flight.result()
         assert reply.status_code == 200 and reply.json()["completion_tokens"] == 128
         assert serve.wait(timeout=60) == 0
-        with pytest.raises(requests.ConnectionError):
-            requests.get(f"http://127.0.0.1:{ports.http}/v2/health/live", timeout=2)
+        for url in (f"http://127.0.0.1:{ports.http}/v2/health/live", f"{openai_url}/health"):
+            with pytest.raises(requests.ConnectionError):
+                requests.get(url, timeout=2)
     finally:
         serve.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_launcher_serve_without_openai_starts_triton_alone(model_dir):
+    ports = Ports.free()
+    serve = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--no-openai"], cwd=REPO_ROOT,
+                             env=port_env(ports, model_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not _answers(f"http://127.0.0.1:{ports.http}/v2/health/ready"):
+            assert time.monotonic() < deadline and serve.poll() is None, "tritonserver never became ready"
+            time.sleep(0.5)
+        assert not _answers(f"http://127.0.0.1:{ports.openai}/health")
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+
+
+def test_docker_entrypoint_runs_the_openai_front_end(server, model_dir, tmp_path):
+    port = Ports.free().openai
+    env = {**os.environ, "TRITON_GRPC_URL": server.grpc_url, "OPENAI_PORT": str(port), "MODEL_DIR": str(model_dir),
+           "PYTHONPATH": str(REPO_ROOT), "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.Popen([str(REPO_ROOT / "docker" / "entrypoint.sh"), "openai"], env=env,
+                            stdout=(tmp_path / "openai.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "openai.log").read_text()
+            time.sleep(0.3)
+        reply = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": model_dir.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_path):

@@ -23,7 +23,7 @@ from serving.stubs import stubs
 INFER_IN_FLIGHT = 40  # more than the Python backend's default 32 threads, which they would all strand
 
 
-def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm_metric):
+def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm_metric, openai_frontend, model_dir):
     (victim,) = stubs(server.process.pid)["llm"]
     story = {"text_input": "Tell me a long story.", "max_tokens": 200, "ignore_eos": True}
     infer = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [story["text_input"]]},
@@ -38,8 +38,18 @@ def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm
         except requests.Timeout:
             return "client timeout", time.monotonic()
 
-    with ThreadPoolExecutor(1 + INFER_IN_FLIGHT) as pool:
+    def openai_in_flight(stream: bool) -> tuple[str, float]:
+        chat = {"model": model_dir.name, "messages": [{"role": "user", "content": story["text_input"]}],
+                "max_tokens": 200, "ignore_eos": True, "stream": stream}
+        try:
+            reply = requests.post(f"{openai_frontend.url}/v1/chat/completions", json=chat, timeout=30)
+            return f"{reply.status_code} {reply.text}", time.monotonic()
+        except requests.Timeout:
+            return "client timeout", time.monotonic()
+
+    with ThreadPoolExecutor(3 + INFER_IN_FLIGHT) as pool:
         lost = pool.submit(in_flight, "ensemble/generate", story)
+        openai_answered = [pool.submit(openai_in_flight, stream) for stream in (False, True)]
         answered = [pool.submit(in_flight, "ensemble_infer/infer", infer) for _ in range(INFER_IN_FLIGHT)]
         time.sleep(3)
         os.kill(victim, signal.SIGKILL)
@@ -57,8 +67,14 @@ def test_a_killed_llm_stub_is_replaced_and_service_resumes(server, http_url, llm
         assert lost.result()[0] == "client timeout"
         for reply, _ in (a.result() for a in answered):
             assert reply.startswith("503 ") and "stub of 'llm' died with this request in flight" in reply, reply
+        # The OpenAI front end answers its own: a 503 whole, an error event when the stream had begun.
+        (whole, _), (streamed, _) = (a.result() for a in openai_answered)
+        assert whole.startswith("503 ") and '"code":"unavailable"' in whole and "stub of 'llm' died" in whole, whole
+        assert streamed.startswith("200 ") and "stub of 'llm' died" in streamed and streamed.rstrip().endswith("data: [DONE]")
     after_kill = [at - killed for _, at in (a.result() for a in answered)]
+    openai_after_kill = [at - killed for _, at in (a.result() for a in openai_answered)]
     figures = {"infer_in_flight": INFER_IN_FLIGHT, "infer_answered_after_kill_s": [round(min(after_kill), 2), round(max(after_kill), 2)],
+               "openai_answered_after_kill_s": [round(min(openai_after_kill), 2), round(max(openai_after_kill), 2)],
                "generate_answered_after_kill_s": round(back - killed, 2)}
     (CACHE_DIR / "faults.json").write_text(json.dumps(figures, indent=2))
     assert llm_metric("ensemble_infer_stranded_calls_total") == INFER_IN_FLIGHT

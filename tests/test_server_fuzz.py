@@ -1,4 +1,4 @@
-"""Property-based fuzzing of generate, infer and gRPC against the running server (hypothesis).
+"""Property-based fuzzing of generate, infer, gRPC and the OpenAI API against the running server (hypothesis).
 
 Every answer is a clear client error or a valid reply; no instance dies; the server answers normally
 afterwards. FUZZ_EXAMPLES sets the cases per protocol (CI runs the default).
@@ -113,3 +113,61 @@ def test_grpc_answers_every_request_with_a_reply_or_a_clear_error(server, llm_st
         assert e.status() in ("StatusCode.INVALID_ARGUMENT",) and len(e.message()) > 8, (e.status(), e.message())
     finally:
         client.close()
+
+
+MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": TEXT}),
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["tool", "function", "robot"]), JUNK), "content": st.one_of(TEXT, JUNK)}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
+        st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), JUNK), max_size=3)}),
+    JUNK,
+)
+CHAT = st.fixed_dictionaries(
+    {"max_tokens": MAX_TOKENS, "messages": st.one_of(st.lists(MESSAGE, max_size=4), JUNK)},
+    optional={
+        "model": st.one_of(st.just("SmolLM2-135M-Instruct"), st.text(max_size=8), JUNK),
+        "temperature": NUMBER, "top_p": NUMBER, "top_k": NUMBER, "seed": NUMBER, "n": st.one_of(st.integers(-1, 10), JUNK),
+        "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "repetition_penalty": NUMBER,
+        "stop": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=6), max_size=12), JUNK),
+        "stream": st.one_of(st.booleans(), JUNK), "stream_options": st.one_of(st.just({"include_usage": True}), JUNK),
+        "logprobs": st.one_of(st.booleans(), JUNK), "top_logprobs": st.one_of(st.integers(-1, 7), JUNK),
+        "max_completion_tokens": MAX_TOKENS, "ignore_eos": st.one_of(st.booleans(), JUNK),
+        "tools": JUNK, "response_format": st.one_of(st.just({"type": "text"}), JUNK), "logit_bias": JUNK,
+        "user": st.one_of(st.text(max_size=8), JUNK), "unknown_field": JUNK,
+    },
+)
+
+
+def check_openai(status: int, content_type: str, text: str) -> None:
+    """A chat completion, a stream of chunks that ends with [DONE], or an OpenAI error object; no 5xx."""
+    assert status in (200, 400, 404), (status, text[:300])
+    if status != 200:
+        error = json.loads(text)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and len(error["message"]) > 8, error
+        return
+    if content_type.startswith("text/event-stream"):
+        events = [e for e in text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        for event in events[:-1]:
+            data = json.loads(event[len("data: "):])
+            assert data["object"] == "chat.completion.chunk", data
+        return
+    data = json.loads(text)
+    assert data["object"] == "chat.completion" and all(c["finish_reason"] in ("stop", "length") for c in data["choices"])
+
+
+@FUZZ
+@given(body=CHAT, raw=st.sampled_from(["json", "nan", "bad utf-8", "deep", "not json"]))
+def test_the_openai_api_answers_every_body_with_a_reply_or_an_openai_error(openai_frontend, llm_stubs, body, raw):
+    if isinstance(body.get("messages"), list) and body.get("model") is None:
+        body["model"] = "SmolLM2-135M-Instruct"
+    data = json.dumps(body).encode()
+    if raw == "bad utf-8":
+        data = b'{"messages": "\xff\xfe", ' + data[1:]
+    elif raw == "deep":
+        data = b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    elif raw == "not json":
+        data = data[: len(data) // 2]
+    reply = requests.post(f"{openai_frontend.url}/v1/chat/completions", data=data, timeout=120,
+                          headers={"Content-Type": "application/json"})
+    check_openai(reply.status_code, reply.headers.get("content-type", ""), reply.text)
