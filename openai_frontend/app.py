@@ -419,6 +419,11 @@ def _authorized(request: Request, keys: frozenset[str]) -> bool:
     return scheme.lower() == "bearer" and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
 
 
+def _union_member(part: str | int) -> bool:
+    """pydantic names the member of a union a location went through (``str``, ``list[ContentPart]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 def _check_model(model: str, settings: Settings) -> None:
     if model != settings.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r} (GET /v1/models)",
@@ -440,8 +445,9 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
     except UnsupportedField as e:
         raise APIError(400, str(e), e.field, "unsupported_field") from None
     except ValidationError as e:
-        error = e.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
+        # The most specific error (a union reports each member's), its location without the member names.
+        error = max(e.errors(), key=lambda err: len(err["loc"]))
+        param = ".".join(str(part) for part in error["loc"] if not _union_member(part)) or None
         raise APIError(400, f"{param + ': ' if param else ''}{error['msg']}", param) from None
     _check_model(body.model, settings)
     return body
