@@ -56,7 +56,7 @@ class APIError(Exception):
 
     @classmethod
     def of(cls, error: PipelineError) -> "APIError":
-        return cls(STATUS[error.kind], str(error), code=error.kind)
+        return cls(STATUS[error.kind], str(error), code=None if error.kind == "invalid" else error.kind)
 
     def body(self) -> dict:
         error = Error(message=str(self), type=ERROR_TYPES.get(self.status, "error"), param=self.param, code=self.code)
@@ -140,8 +140,10 @@ class ChatReply(Reply):
         delta = ChatDelta(role="assistant" if first else None, content=piece.text)
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.logprobs),
                                  finish_reason=piece.finish_reason or None)
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
+        data = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
             exclude=None if self.body.include_usage else {"usage"})
+        data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # OpenAI leaves out what a delta lacks
+        return data
 
     def whole(self, choices, usage):
         return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[

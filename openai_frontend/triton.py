@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from serving.stubs import DeathWatch
 log = logging.getLogger("openai_frontend")
 
 WATCH_SECONDS = 1.0
+ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, before the failing step's own message
 GUARDED_MODELS = ("llm", "preprocess", "postprocess")
 
 
@@ -61,7 +63,7 @@ def _error(error: Exception) -> PipelineError:
         message = error.message() or str(error)
         if "failed to connect" in message.lower() or "unavailable" in (error.status() or "").lower():
             return PipelineError("unavailable", f"Triton is unreachable: {message}")
-        return PipelineError(classify(message), message)
+        return PipelineError(classify(message), ENSEMBLE_PREFIX.sub("", message))
     return PipelineError("unavailable", f"Triton is unreachable: {error}")
 
 

@@ -96,18 +96,22 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     plan = results["plan"]
     systems = {"in_process", "static", "ensemble_http", "ensemble_grpc"}  # no peers in quick mode
     seen = {(p["system"], p["workload"], p["concurrency"]) for p in results["points"]}
-    assert seen == {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]}
+    openai = {("openai_http", "fixed", c) for c in plan["openai_concurrency"]}  # aiperf runs in full mode only
+    assert seen == {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]} | openai
     assert {p["dtype"] for p in results["points"]} == {results["model"]["dtype"]}
     for p in results["points"]:
         assert p["requests"] == max(8, plan["rounds"] * p["concurrency"]) and p["tokens_per_s"] > 0
         assert p["p99_ms"] >= p["p50_ms"] >= p["ttft_p50_ms"] > 0 and 0 < p["roofline_fraction"] < 1
         if p["workload"] == "fixed":  # ignore_eos: every request generates exactly fixed_tokens
             assert p["output_tokens"] == p["requests"] * plan["fixed_tokens"]
-        if p["system"] == "ensemble_http":
+        if p["system"] in ("ensemble_http", "openai_http"):
             assert p["server"]["llm"]["requests"] == p["requests"]
     assert results["ensemble_overhead"]["llm_p50_ms"] > 0 and results["startup_s"] > 0
     assert results["targets"] == [] and results["peers"] == []  # quick mode runs no peer and no c=16
+    assert [r["concurrency"] for r in results["openai"]] == list(plan["openai_concurrency"])
+    assert all(r["vs_generate_stream"] > 0 and r["aiperf_tokens_per_s"] is None for r in results["openai"])
     table = (tmp_path / "results.md").read_text()
+    assert "| concurrency | generate_stream tok/s | OpenAI tok/s (ours) |" in table
     assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table
     for plot in ("fixed.png", "variable.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
