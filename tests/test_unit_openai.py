@@ -1,0 +1,92 @@
+"""The OpenAI front end's logic without a server: schemas, refusals, n prompts, reply shapes, keys."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from openai_frontend.__main__ import api_keys
+from openai_frontend.app import ChatReply, CompletionReply, _pipeline_prompts, _union_member
+from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedField, Usage, refuse_unsupported
+from openai_frontend.triton import Piece
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_types_are_strict_not_coerced():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**CHAT, "max_tokens": "5"})
+    assert ChatCompletionRequest.model_validate({**CHAT, "temperature": 1}).temperature == 1.0  # an int is a number
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{}]), ("logit_bias", {"1": 2}), ("best_of", 2), ("echo", True)])
+def test_unsupported_fields_are_named(field, value):
+    with pytest.raises(UnsupportedField) as e:
+        refuse_unsupported({**CHAT, field: value})
+    assert e.value.field == field
+
+
+def test_unsupported_fields_that_are_off_pass():
+    refuse_unsupported({**CHAT, "tools": None, "logit_bias": {}, "best_of": 1, "echo": False})
+
+
+def test_max_completion_tokens_is_the_budget_and_must_agree_with_max_tokens():
+    assert ChatCompletionRequest.model_validate({**CHAT, "max_completion_tokens": 7}).budget == 7
+    with pytest.raises(ValidationError, match="disagree"):
+        ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 6, "max_completion_tokens": 7})
+
+
+def test_developer_messages_and_text_parts_reach_the_template_as_system_and_text():
+    body = ChatCompletionRequest.model_validate({**CHAT, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert body.conversation() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
+
+
+def test_n_prompts_are_seeded_seed_and_up_and_temperature_defaults_to_one():
+    body = ChatCompletionRequest.model_validate({**CHAT, "n": 3, "seed": 10, "stop": "x"})
+    prompts = _pipeline_prompts(body, {"messages": body.conversation()}, body.n)
+    assert [p.seed for p in prompts] == [10, 11, 12] and {p.temperature for p in prompts} == {1.0}
+    assert prompts[0].stop == ["x"] and prompts[0].messages == [{"role": "user", "content": "hi"}]
+    unseeded = _pipeline_prompts(ChatCompletionRequest.model_validate({**CHAT, "temperature": 0}), {}, 2)
+    assert [p.seed for p in unseeded] == [None, None] and unseeded[0].temperature == 0
+
+
+def test_stream_options_need_stream():
+    with pytest.raises(ValidationError, match="stream=true"):
+        ChatCompletionRequest.model_validate({**CHAT, "stream_options": {"include_usage": True}})
+
+
+ITEM = {"token": " Paris", "bytes": list(b" Paris"), "logprob": -0.25,
+        "top_logprobs": [{"token": " Paris", "bytes": list(b" Paris"), "logprob": -0.25}]}
+
+
+def test_chat_chunks_leave_out_what_a_delta_lacks_and_usage_unless_asked():
+    reply = ChatReply(ChatCompletionRequest.model_validate({**CHAT, "stream": True, "logprobs": True}), "m")
+    first = reply.chunk(0, Piece(" Paris", 1, 5, "", [ITEM]), first=True)
+    later = reply.chunk(0, Piece(".", 2, 5, "stop", []), first=False)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": " Paris"} and "usage" not in first
+    assert later["choices"][0]["delta"] == {"content": "."} and later["choices"][0]["finish_reason"] == "stop"
+    assert first["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.25
+
+
+def test_completion_logprobs_take_the_legacy_shape_with_text_offsets():
+    reply = CompletionReply(CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 1}), "m")
+    dot = {**ITEM, "token": ".", "bytes": [46], "logprob": -0.5, "top_logprobs": []}
+    whole = reply.whole([(" Paris.", "stop", [ITEM, dot])], Usage.of(5, 2))
+    logprobs = whole["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": [" Paris", "."], "token_logprobs": [-0.25, -0.5],
+                        "top_logprobs": [{" Paris": -0.25}, {}], "text_offset": [0, 6]}
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+
+
+def test_error_locations_drop_union_member_names():
+    assert [p for p in ("messages", 0, "content", "list[ContentPart]", 0, "type") if not _union_member(p)] == \
+        ["messages", 0, "content", 0, "type"]
+
+
+def test_api_keys_come_from_the_variable_and_the_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nfile-key\n\n")
+    assert api_keys(" a, b ,", str(keys)) == {"a", "b", "file-key"}
+    assert api_keys("", "") == frozenset()
