@@ -439,6 +439,8 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # Python's parser gives up on thousands of nested brackets
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:

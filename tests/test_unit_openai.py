@@ -90,3 +90,18 @@ def test_api_keys_come_from_the_variable_and_the_file(tmp_path):
     keys.write_text("# comment\nfile-key\n\n")
     assert api_keys(" a, b ,", str(keys)) == {"a", "b", "file-key"}
     assert api_keys("", "") == frozenset()
+
+
+def test_a_body_nested_too_deeply_is_a_client_error():
+    """Found by the fuzz test: json.loads raises RecursionError, which was a 500."""
+    import asyncio
+
+    from openai_frontend.app import APIError, Settings, _parse
+
+    class Body:
+        async def body(self) -> bytes:
+            return b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+
+    with pytest.raises(APIError, match="nested too deeply") as e:
+        asyncio.run(_parse(Body(), ChatCompletionRequest, Settings()))
+    assert e.value.status == 400
