@@ -103,7 +103,8 @@ def parse_logprobs(raw: bytes | str) -> list[dict] | None:
     return json.loads(raw) if raw else None
 
 
-def _chunk(result) -> Chunk:
+def chunk_of(result) -> Chunk:
+    """One ensemble response (an ``InferResult`` of either protocol) as a ``Chunk``."""
     value = lambda name: result.as_numpy(name)[0][0]  # noqa: E731
     return Chunk(
         value("text_output").decode("utf-8"), int(value("completion_tokens")), int(value("prompt_tokens")),
@@ -129,7 +130,7 @@ class ChatClient:
         """The whole reply; a server-side error raises ``tritonclient.utils.InferenceServerException``."""
         outputs = [self.lib.InferRequestedOutput(name) for name in OUTPUTS]
         timeout = {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
-        return _chunk(self.client.infer(INFER_MODEL, build_inputs(self.lib, prompt), outputs=outputs, **timeout))
+        return chunk_of(self.client.infer(INFER_MODEL, build_inputs(self.lib, prompt), outputs=outputs, **timeout))
 
     def stream(self, prompt: Prompt) -> Iterator[Chunk]:
         """Text chunks as tokens are generated, the last one with its finish_reason."""
@@ -157,7 +158,7 @@ class ChatClient:
                 result, error = answers.get(timeout=self.timeout)
                 if error is not None:
                     raise error
-                chunk = _chunk(result)
+                chunk = chunk_of(result)
                 yield chunk
                 if chunk.finish_reason:
                     return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import requests
 
-from launcher.triton import REPO_ROOT, TritonServer, port_is_free
+from launcher.triton import REPO_ROOT, TritonServer, port_is_free, stop_group
 
 
 @dataclass
@@ -60,14 +59,7 @@ class OpenAIFrontend:
         raise TimeoutError(f"the OpenAI front end on :{self.port} not ready after {timeout:.0f}s")
 
     def stop(self, timeout: float = 10.0) -> None:
-        if not self.process or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_group(self.process, timeout)
 
     def __enter__(self) -> "OpenAIFrontend":
         return self.start()

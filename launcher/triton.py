@@ -118,6 +118,18 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def stop_group(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM a process started with ``start_new_session`` and its children, SIGKILL past ``timeout``."""
+    if not process or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def has_gpu() -> bool:
     """True when ``nvidia-smi`` lists at least one GPU; Triton's KIND_GPU fails to load without one."""
     try:
@@ -259,14 +271,7 @@ class TritonServer:
         """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group past the deadline."""
         if self.watchdog:
             self.watchdog.stop()
-        if not self.process or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_group(self.process, timeout)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

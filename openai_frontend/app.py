@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 
-from client import Prompt
+from client import Chunk, Prompt
 from openai_frontend.schemas import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
     ChatLogprobs, ChatMessage, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Error,
     ErrorResponse, GenerationFields, Model, ModelList, UnsupportedField, Usage, refuse_unsupported,
 )
-from openai_frontend.triton import Piece, PipelineError, Triton
+from openai_frontend.triton import PipelineError, Triton
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens (never lengthens) the server's deadline
 RETRY_AFTER_SECONDS = 1
@@ -123,7 +123,7 @@ class Reply:
 
     prefix = ""
 
-    def chunk(self, index: int, piece: Piece, first: bool) -> dict: ...
+    def chunk(self, index: int, piece: Chunk, first: bool) -> dict: ...
 
     def whole(self, choices: list[tuple[str, str, list[dict] | None]], usage: Usage) -> dict: ...
 
@@ -136,9 +136,9 @@ class ChatReply(Reply):
     def _logprobs(self, items: list[dict] | None) -> ChatLogprobs | None:
         return ChatLogprobs(content=items or []) if self.body.logprobs else None
 
-    def chunk(self, index: int, piece: Piece, first: bool) -> dict:
-        delta = ChatDelta(role="assistant" if first else None, content=piece.text)
-        choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.logprobs),
+    def chunk(self, index: int, piece: Chunk, first: bool) -> dict:
+        delta = ChatDelta(role="assistant" if first else None, content=piece.text_output)
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.token_logprobs),
                                  finish_reason=piece.finish_reason or None)
         data = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
             exclude=None if self.body.include_usage else {"usage"})
@@ -175,7 +175,7 @@ class CompletionReply(Reply):
         )
 
     def chunk(self, index, piece, first):
-        choice = CompletionChoice(index=index, text=piece.text, logprobs=self._logprobs(index, piece.logprobs),
+        choice = CompletionChoice(index=index, text=piece.text_output, logprobs=self._logprobs(index, piece.token_logprobs),
                                   finish_reason=piece.finish_reason or None)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
             exclude=None if self.body.include_usage else {"usage"})
@@ -304,7 +304,7 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
         streams = [triton.generate(p) for p in prompts]
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, stream: AsyncIterator[Piece]) -> None:
+        async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
             try:
                 async for piece in stream:
                     merged.put_nowait((index, piece))
@@ -314,7 +314,7 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         watcher = asyncio.create_task(_until_disconnected(request))
 
-        async def next_piece() -> tuple[int, Piece | PipelineError]:
+        async def next_piece() -> tuple[int, Chunk | PipelineError]:
             """The next piece of any generation; raises APIError at the deadline, and CancelledError when
             the client went away."""
             getter = asyncio.ensure_future(merged.get())
@@ -342,7 +342,7 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
         prompt_tokens, completion_tokens = [0] * len(prompts), [0] * len(prompts)
         finished: set[int] = set()
 
-        def take(index: int, piece: Piece) -> None:
+        def take(index: int, piece: Chunk) -> None:
             prompt_tokens[index], completion_tokens[index] = piece.prompt_tokens, piece.completion_tokens
             if piece.finish_reason:
                 finished.add(index)
@@ -354,14 +354,14 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
             metrics.completion_tokens.inc(usage.completion_tokens)
             return usage
 
-        async def more() -> list[tuple[int, Piece]]:
+        async def more() -> list[tuple[int, Chunk]]:
             index, item = await next_piece()
             if isinstance(item, PipelineError):
                 raise APIError.of(item)
             return [(index, item)]
 
         # Every generation's first piece before answering: the pipeline's refusals become the status.
-        early: list[tuple[int, Piece]] = []
+        early: list[tuple[int, Chunk]] = []
         try:
             while len({index for index, _ in early}) < len(prompts):
                 early += await more()
@@ -378,10 +378,10 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
                 while True:
                     for index, piece in pending:
                         take(index, piece)
-                        texts[index] += piece.text
+                        texts[index] += piece.text_output
                         reasons[index] = piece.finish_reason
-                        if piece.logprobs is not None:
-                            logprobs[index] = (logprobs[index] or []) + piece.logprobs
+                        if piece.token_logprobs is not None:
+                            logprobs[index] = (logprobs[index] or []) + piece.token_logprobs
                     if len(finished) == len(prompts):
                         break
                     pending = await more()
@@ -396,7 +396,7 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
                 while True:
                     for index, piece in pending:
                         take(index, piece)
-                        if index not in begun or piece.text or piece.finish_reason or piece.logprobs:
+                        if index not in begun or piece.text_output or piece.finish_reason or piece.token_logprobs:
                             yield _sse(reply.chunk(index, piece, index not in begun))
                         begun.add(index)
                     if len(finished) == len(prompts):

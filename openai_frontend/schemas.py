@@ -9,7 +9,7 @@ the client unchanged, so the limits live in one place (llm's config). Our extens
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 

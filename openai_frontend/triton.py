@@ -14,13 +14,12 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
-from client import OUTPUTS, STREAM_MODEL, Prompt, build_inputs, parse_logprobs
+from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of
 from serving.errors import classify
 from serving.stubs import DeathWatch
 
@@ -38,24 +37,6 @@ class PipelineError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One ensemble response: the text it adds, the counts so far, and its tokens' logprobs if asked."""
-
-    text: str
-    completion_tokens: int
-    prompt_tokens: int
-    finish_reason: str  # empty until the last piece: stop or length
-    logprobs: list[dict] | None
-
-
-def _piece(result: grpcclient.InferResult) -> Piece:
-    value = lambda name: result.as_numpy(name)[0][0]  # noqa: E731
-    return Piece(value("text_output").decode("utf-8"), int(value("completion_tokens")),
-                 int(value("prompt_tokens")), value("finish_reason").decode("utf-8"),
-                 parse_logprobs(value("token_logprobs")))
 
 
 def _error(error: Exception) -> PipelineError:
@@ -94,8 +75,8 @@ class Triton:
         except Exception:  # unreachable is not ready
             return False
 
-    async def generate(self, prompt: Prompt) -> AsyncIterator[Piece]:
-        """The pieces of one generation, the last with its finish_reason; raises ``PipelineError``.
+    async def generate(self, prompt: Prompt) -> AsyncIterator[Chunk]:
+        """The chunks of one generation, the last with its finish_reason; raises ``PipelineError``.
         Closing the iterator early cancels the generation in Triton."""
         inbox: asyncio.Queue = asyncio.Queue()
         done = asyncio.Event()
@@ -124,9 +105,9 @@ class Triton:
                 item = await inbox.get()
                 if isinstance(item, Exception):
                     raise item if isinstance(item, PipelineError) else _error(item)
-                piece = _piece(item)
-                yield piece
-                if piece.finish_reason:
+                chunk = chunk_of(item)
+                yield chunk
+                if chunk.finish_reason:
                     return
         finally:
             self._inboxes.discard(inbox)

@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from openai_frontend.__main__ import api_keys
+from client import Chunk
 from openai_frontend.app import ChatReply, CompletionReply, _pipeline_prompts, _union_member
 from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedField, Usage, refuse_unsupported
-from openai_frontend.triton import Piece
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -63,8 +63,8 @@ ITEM = {"token": " Paris", "bytes": list(b" Paris"), "logprob": -0.25,
 
 def test_chat_chunks_leave_out_what_a_delta_lacks_and_usage_unless_asked():
     reply = ChatReply(ChatCompletionRequest.model_validate({**CHAT, "stream": True, "logprobs": True}), "m")
-    first = reply.chunk(0, Piece(" Paris", 1, 5, "", [ITEM]), first=True)
-    later = reply.chunk(0, Piece(".", 2, 5, "stop", []), first=False)
+    first = reply.chunk(0, Chunk(" Paris", 1, 5, "", [ITEM]), first=True)
+    later = reply.chunk(0, Chunk(".", 2, 5, "stop", []), first=False)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": " Paris"} and "usage" not in first
     assert later["choices"][0]["delta"] == {"content": "."} and later["choices"][0]["finish_reason"] == "stop"
     assert first["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.25
