@@ -18,14 +18,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
 from launcher.model import gguf_path
-from launcher.triton import CACHE_DIR, free_port
+from launcher.triton import CACHE_DIR, free_port, wait_healthy
 
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp with tools/server
 LLAMA_CPP = CACHE_DIR / "llama.cpp"
@@ -83,17 +80,7 @@ class OpenAIServer:
     model: str
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.process.returncode}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s")
+        wait_healthy(f"{self.url}/health", self.process, self.name, timeout)
 
     def stop(self) -> None:
         if self.process.poll() is None:

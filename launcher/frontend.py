@@ -5,13 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
-
-from launcher.triton import REPO_ROOT, TritonServer, port_is_free, stop_group
+from launcher.triton import REPO_ROOT, TritonServer, port_is_free, stop_group, wait_healthy
 
 
 @dataclass
@@ -45,18 +42,8 @@ class OpenAIFrontend:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until ``/health`` answers (200 once Triton is ready, 503 before): the process listens."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the OpenAI front end exited with code {self.process.returncode}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the OpenAI front end on :{self.port} not ready after {timeout:.0f}s")
+        """Until ``/health`` answers 200 (it does once Triton is ready)."""
+        wait_healthy(f"{self.url}/health", self.process, f"the OpenAI front end on :{self.port}", timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         stop_group(self.process, timeout)

@@ -130,6 +130,22 @@ def stop_group(process: subprocess.Popen | None, timeout: float) -> None:
         process.wait()
 
 
+def wait_healthy(url: str, process: subprocess.Popen | None, name: str, timeout: float, hint: str = "") -> None:
+    """Poll ``url`` until it answers 200; raise when ``process`` exits first or ``timeout`` passes."""
+    suffix = f"; {hint}" if hint else ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process and process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode}{suffix}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{name} not ready after {timeout:.0f}s{suffix}")
+
+
 def has_gpu() -> bool:
     """True when ``nvidia-smi`` lists at least one GPU; Triton's KIND_GPU fails to load without one."""
     try:
@@ -242,18 +258,8 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Poll ``/v2/health/ready`` until it answers 200, the process dies, or the deadline passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process and self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}; {self.log_hint()}")
-            try:
-                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s; {self.log_hint()}")
+        """Until ``/v2/health/ready`` answers 200; raises when the process dies or the deadline passes."""
+        wait_healthy(f"{self.url}/v2/health/ready", self.process, "tritonserver", timeout, self.log_hint())
 
     def log_hint(self) -> str:
         return f"see the server log at {self.log_path}" if self.log_path else "see the output above"
