@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,7 @@ from openai_frontend.triton import PipelineError, Triton
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens (never lengthens) the server's deadline
 RETRY_AFTER_SECONDS = 1
+log = logging.getLogger("openai_frontend")
 STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499, "timeout": 504}
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                503: "service_unavailable", 504: "timeout", 500: "internal_error", 499: "cancelled"}
@@ -231,8 +233,8 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
-    triton = triton or Triton(settings.triton_url, settings.triton_pid)
+def create_app(settings: Settings) -> FastAPI:
+    triton = Triton(settings.triton_url, settings.triton_pid)
     metrics = Metrics()
 
     async def lifespan(app: FastAPI):
@@ -247,6 +249,12 @@ def create_app(settings: Settings, triton: Triton | None = None) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception) -> JSONResponse:
+        """A bug of ours still answers in OpenAI's shape (and is logged with its traceback)."""
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(error).__name__}: {error}", code="internal").response()
 
     @app.exception_handler(404)
     async def not_found(request: Request, error: Exception) -> JSONResponse:
@@ -449,8 +457,9 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
     except UnsupportedField as e:
         raise APIError(400, str(e), e.field, "unsupported_field") from None
     except ValidationError as e:
-        # The most specific error (a union reports each member's), its location without the member names.
-        error = max(e.errors(), key=lambda err: len(err["loc"]))
+        # The most specific error (a union reports each member's; on a tie the last, the list form), its location
+        # without the member names.
+        error = max(reversed(e.errors()), key=lambda err: len(err["loc"]))
         param = ".".join(str(part) for part in error["loc"] if not _union_member(part)) or None
         raise APIError(400, f"{param + ': ' if param else ''}{error['msg']}", param) from None
     _check_model(body.model, settings)

@@ -9,7 +9,7 @@ the client unchanged, so the limits live in one place (llm's config). Our extens
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -135,7 +135,7 @@ class ChatCompletionRequest(GenerationFields):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]  # token-id prompts are refused
     logprobs: int | None = None  # the legacy API's: how many top alternatives, 0 to 5
 
     @property
