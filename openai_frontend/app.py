@@ -457,9 +457,9 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
     except UnsupportedField as e:
         raise APIError(400, str(e), e.field, "unsupported_field") from None
     except ValidationError as e:
-        # The most specific error (a union reports each member's; on a tie the last, the list form), its location
+        # The most specific error (a union reports each member's; on a tie its list form), its location
         # without the member names.
-        error = max(reversed(e.errors()), key=lambda err: len(err["loc"]))
+        error = max(e.errors(), key=lambda err: (len(err["loc"]), any("[" in str(p) for p in err["loc"])))
         param = ".".join(str(part) for part in error["loc"] if not _union_member(part)) or None
         raise APIError(400, f"{param + ': ' if param else ''}{error['msg']}", param) from None
     _check_model(body.model, settings)
