@@ -34,9 +34,10 @@ serve-triton: venv
 test: venv
 	$(BIN)/python -m pytest
 
-# make bench: the full sweep (tens of minutes on 2 cores); make bench QUICK=1: under 5 minutes.
+# make bench: the full sweep (tens of minutes on 2 cores); make bench QUICK=1: under 5 minutes;
+# make bench NO_PEERS=1: the full sweep without llama-server and vLLM.
 bench: venv
-	$(BIN)/python -m bench $(if $(QUICK),--quick --out bench_results/quick,--out bench_results/full)
+	$(BIN)/python -m bench $(if $(QUICK),--quick --out bench_results/quick,$(if $(NO_PEERS),--no-peers) --out bench_results/full)
 
 # On a host with an NVIDIA GPU: llm on KIND_GPU in bf16 with CUDA graphs, throughput at c=1/16/64.
 gpu-check: venv

@@ -8,7 +8,7 @@ Systems, all on the same weights and the same seeded prompts:
 - ``ensemble_http`` (``generate_stream``, streamed) and ``ensemble_grpc`` (KServe infer on
   ``ensemble_infer``): the shipped pipeline;
 - ``openai_http``: the same pipeline through the OpenAI front end (streamed ``/v1/chat/completions``), and
-  in full mode NVIDIA's ``aiperf`` driving that endpoint too (``bench/aiperf.py``);
+  in full mode vLLM's ``guidellm`` driving that endpoint too (``bench/guidellm.py``);
 - ``llama_server_bf16`` and ``llama_server_f32``: llama.cpp's server (full mode), and ``vllm``, vLLM's CPU
   build, where it runs here (``bench/peers.py``);
 - the roofline: this machine's measured limit in each system's dtype.
@@ -25,7 +25,7 @@ import os
 import platform
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,7 +33,7 @@ import aiohttp
 import torch
 import tritonclient.grpc.aio as grpcaio
 
-from bench import aiperf, load, peers, perf_analyzer, report, roofline, workload
+from bench import guidellm, load, peers, perf_analyzer, report, roofline, workload
 from bench.static_llm import StaticGenerator
 from launcher.model import prepare_default_model
 from launcher.frontend import OpenAIFrontend
@@ -48,19 +48,21 @@ log = logging.getLogger("bench")
 class Plan:
     concurrency: tuple[int, ...]  # the shipped pipeline and its peers
     baseline_concurrency: tuple[int, ...]  # in_process, static and ensemble_grpc
-    openai_concurrency: tuple[int, ...]  # openai_http (fixed workload), and aiperf in full mode
+    openai_concurrency: tuple[int, ...]  # openai_http (fixed workload), and guidellm in full mode
     fixed_tokens: int
     variable_tokens: tuple[int, int]
     perf_analyzer: bool
-    peers: bool
+    peers: bool  # llama-server and vLLM
+    third_party: bool  # guidellm on the OpenAI endpoint
     rounds: int  # measured requests per point = max(8, rounds x concurrency), after one warm-up round
 
     def requests(self, concurrency: int) -> int:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 4), (1, 4), (1, 4), 16, (4, 32), perf_analyzer=False, peers=False, rounds=1)
-FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), 64, (8, 128), perf_analyzer=True, peers=True, rounds=2)
+QUICK = Plan((1, 4), (1, 4), (1, 4), 16, (4, 32), perf_analyzer=False, peers=False, third_party=False, rounds=1)
+FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), 64, (8, 128), perf_analyzer=True, peers=True, third_party=True,
+            rounds=2)
 
 
 def machine() -> dict:
@@ -242,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a few points, no peers, under 5 minutes on 2 cores")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="full mode without llama-server and vLLM (they take most of its time)")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = QUICK if args.quick else replace(FULL, peers=False) if args.no_peers else FULL
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -282,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             frontend.wait_ready()
             points += asyncio.run(sweep_openai(frontend, dtype, sets, plan))
-            if plan.peers:  # full mode: a third-party tool on the same endpoint and workload
-                found, note = aiperf.sweep(frontend, sets["fixed"], plan.openai_concurrency, plan.requests, dtype,
+            if plan.third_party:  # full mode: a third-party tool on the same endpoint and workload
+                found, note = guidellm.sweep(frontend, sets["fixed"], plan.openai_concurrency, plan.requests, dtype,
                                            model_dir, out)
                 points += found
                 tool_notes.append(note)
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     points = report.with_ratios(points, limits, contexts)
     results = {
-        "mode": "quick" if args.quick else "full",
+        "mode": "quick" if args.quick else "full, no peers" if args.no_peers else "full",
         "plan": asdict(plan),
         "machine": machine(),
         "model": {"dir": str(model_dir), "params": params, "dtype": dtype},

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench.roofline import Roofline  # noqa: E402
 
 OURS = "ensemble_http"
-ORDER = ("in_process", "static", "ensemble_http", "ensemble_grpc", "openai_http", "aiperf_openai", "llama_server_bf16",
+ORDER = ("in_process", "static", "ensemble_http", "ensemble_grpc", "openai_http", "guidellm_openai", "llama_server_bf16",
          "llama_server_f32", "vllm")
 PEERS = ("llama_server_bf16", "llama_server_f32")  # "the best of its F32/BF16 runs"
 # p50 time to first token of ensemble_http at concurrency 16 before this engine (2026-12-02 run, the
@@ -76,18 +76,18 @@ def targets(points: list[dict]) -> list[dict]:
 
 
 def openai_rows(points: list[dict]) -> list[dict]:
-    """The OpenAI endpoint against generate_stream (its own overhead), and aiperf against our client on it."""
+    """The OpenAI endpoint against generate_stream (its own overhead), and guidellm against our client on it."""
     index = {(p["system"], p["workload"], p["concurrency"]): p for p in points}
     rows = []
     for c in sorted(p["concurrency"] for p in points if p["system"] == "openai_http" and p["workload"] == "fixed"):
-        ours, base, tool = (index.get((s, "fixed", c)) for s in ("openai_http", OURS, "aiperf_openai"))
+        ours, base, tool = (index.get((s, "fixed", c)) for s in ("openai_http", OURS, "guidellm_openai"))
         rows.append({
             "concurrency": c, "openai_tokens_per_s": ours["tokens_per_s"], "openai_ttft_p50_ms": ours["ttft_p50_ms"],
             "generate_stream_tokens_per_s": base and base["tokens_per_s"],
             "vs_generate_stream": base and ours["tokens_per_s"] / base["tokens_per_s"],
             "ttft_added_ms": base and ours["ttft_p50_ms"] - base["ttft_p50_ms"],
-            "aiperf_tokens_per_s": tool and tool["tokens_per_s"], "aiperf_ttft_p50_ms": tool and tool["ttft_p50_ms"],
-            "aiperf_vs_ours": tool and tool["tokens_per_s"] / ours["tokens_per_s"],
+            "guidellm_tokens_per_s": tool and tool["tokens_per_s"], "guidellm_ttft_p50_ms": tool and tool["ttft_p50_ms"],
+            "guidellm_vs_ours": tool and tool["tokens_per_s"] / ours["tokens_per_s"],
         })
     return rows
 
@@ -133,13 +133,13 @@ def markdown(results: dict) -> str:
         lines.append("")
     if results.get("openai"):
         lines += ["OpenAI endpoint (fixed workload, streamed `/v1/chat/completions`): its throughput against "
-                  "`generate_stream` on the same server, and NVIDIA's aiperf against our load generator on it:", "",
+                  "`generate_stream` on the same server, and vLLM's guidellm against our load generator on it:", "",
                   "| concurrency | generate_stream tok/s | OpenAI tok/s (ours) | OpenAI / generate_stream | TTFT added ms | "
-                  "OpenAI tok/s (aiperf) | aiperf / ours |", "|---|---|---|---|---|---|---|"]
+                  "OpenAI tok/s (guidellm) | guidellm / ours |", "|---|---|---|---|---|---|---|"]
         num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
         lines += [f"| {r['concurrency']} | {num(r['generate_stream_tokens_per_s'], '.1f')} | {r['openai_tokens_per_s']:.1f} | "
-                  f"{_ratio(r['vs_generate_stream'])} | {num(r['ttft_added_ms'], '+.0f')} | {num(r['aiperf_tokens_per_s'], '.1f')} | "
-                  f"{_ratio(r['aiperf_vs_ours'])} |" for r in results["openai"]]
+                  f"{_ratio(r['vs_generate_stream'])} | {num(r['ttft_added_ms'], '+.0f')} | {num(r['guidellm_tokens_per_s'], '.1f')} | "
+                  f"{_ratio(r['guidellm_vs_ours'])} |" for r in results["openai"]]
         lines.append("")
     for peer in results.get("peers", []):
         lines.append(f"- {peer['system']}: {peer['status']}")

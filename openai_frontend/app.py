@@ -355,9 +355,12 @@ def create_app(settings: Settings) -> FastAPI:
             if piece.finish_reason:
                 finished.add(index)
 
-        def total() -> Usage:
+        def so_far() -> Usage:
             n = len(groups[0])  # each client prompt counts once, however many choices it has (as OpenAI counts)
-            usage = Usage.of(sum(prompt_tokens[g * n] for g in range(len(groups))), sum(completion_tokens))
+            return Usage.of(sum(prompt_tokens[g * n] for g in range(len(groups))), sum(completion_tokens))
+
+        def total() -> Usage:
+            usage = so_far()
             metrics.prompt_tokens.inc(usage.prompt_tokens)
             metrics.completion_tokens.inc(usage.completion_tokens)
             return usage
@@ -405,7 +408,10 @@ def create_app(settings: Settings) -> FastAPI:
                     for index, piece in pending:
                         take(index, piece)
                         if index not in begun or piece.text_output or piece.finish_reason or piece.token_logprobs:
-                            yield _sse(reply.chunk(index, piece, index not in begun))
+                            data = reply.chunk(index, piece, index not in begun)
+                            if reply.body.continuous_usage:
+                                data["usage"] = so_far().model_dump()
+                            yield _sse(data)
                         begun.add(index)
                     if len(finished) == len(prompts):
                         break

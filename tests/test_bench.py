@@ -96,7 +96,7 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     plan = results["plan"]
     systems = {"in_process", "static", "ensemble_http", "ensemble_grpc"}  # no peers in quick mode
     seen = {(p["system"], p["workload"], p["concurrency"]) for p in results["points"]}
-    openai = {("openai_http", "fixed", c) for c in plan["openai_concurrency"]}  # aiperf runs in full mode only
+    openai = {("openai_http", "fixed", c) for c in plan["openai_concurrency"]}  # guidellm runs in full mode only
     assert seen == {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]} | openai
     assert {p["dtype"] for p in results["points"]} == {results["model"]["dtype"]}
     for p in results["points"]:
@@ -109,7 +109,7 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     assert results["ensemble_overhead"]["llm_p50_ms"] > 0 and results["startup_s"] > 0
     assert results["targets"] == [] and results["peers"] == []  # quick mode runs no peer and no c=16
     assert [r["concurrency"] for r in results["openai"]] == list(plan["openai_concurrency"])
-    assert all(r["vs_generate_stream"] > 0 and r["aiperf_tokens_per_s"] is None for r in results["openai"])
+    assert all(r["vs_generate_stream"] > 0 and r["guidellm_tokens_per_s"] is None for r in results["openai"])
     table = (tmp_path / "results.md").read_text()
     assert "| concurrency | generate_stream tok/s | OpenAI tok/s (ours) |" in table
     assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table
