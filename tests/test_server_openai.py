@@ -86,6 +86,15 @@ def test_a_streamed_chat_adds_up_to_the_whole_reply_and_ends_with_usage(openai_c
     assert all(c.object == "chat.completion.chunk" and c.id == last.id for c in chunks)
 
 
+def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(openai_client, model):
+    """vLLM's stream option, which guidellm sends."""
+    chunks = streamed(openai_client, model=model, messages=CHAT, max_tokens=12, extra_body={"ignore_eos": True},
+                      stream_options={"include_usage": True, "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and chunks[-1].choices == []
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
 def test_the_stream_is_server_sent_events_ending_with_done(openai_frontend, model):
     reply = post(openai_frontend, "chat/completions", {"model": model, "messages": CHAT, "max_tokens": 4, "stream": True})
     events = [line for line in reply.text.split("\n\n") if line]
