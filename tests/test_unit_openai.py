@@ -105,3 +105,21 @@ def test_a_body_nested_too_deeply_is_a_client_error():
     with pytest.raises(APIError, match="nested too deeply") as e:
         asyncio.run(_parse(Body(), ChatCompletionRequest, Settings()))
     assert e.value.status == 400
+
+
+@pytest.mark.parametrize("message, status, code", [
+    ("overloaded: 256 requests are already waiting for room in the KV budget (max_queued_requests=256); retry later", 503, "overloaded"),
+    ("Exceeds maximum queue size", 503, "overloaded"),
+    ("internal error: generation failed: boom", 500, "internal"),
+    ("in ensemble 'ensemble', max_tokens must be in [1, 512], got 0", 400, None),
+])
+def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, status, code):
+    from tritonclient.utils import InferenceServerException
+
+    from openai_frontend.app import APIError
+    from openai_frontend.triton import _error
+
+    error = APIError.of(_error(InferenceServerException(msg=message)))
+    response = error.response()
+    assert (error.status, error.code) == (status, code) and not str(error).startswith("in ensemble")
+    assert response.headers.get("Retry-After") == ("1" if status == 503 else None)
