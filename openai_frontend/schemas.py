@@ -192,11 +192,16 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class ObjectHeader(BaseModel):
+    """What every completion object and chunk starts with."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+
+
+class ChatCompletion(ObjectHeader):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -213,11 +218,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ObjectHeader):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -238,11 +240,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(ObjectHeader):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
