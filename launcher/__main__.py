@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("starting tritonserver (log: %s)", log_path)
         server.wait_ready()
         client = ChatClient(f"127.0.0.1:{server.ports.http}")
-        print(f"> {args.prompt}\n{client.generate(Prompt(args.prompt, args.max_tokens))}", flush=True)
+        print(f"> {args.prompt}\n{client.generate(Prompt(args.prompt, args.max_tokens)).text_output}", flush=True)
         client.close()
         if args.once:
             return 0
