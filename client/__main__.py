@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except InferenceServerException as e:
         print(f"error: {e.message()}", file=sys.stderr)
         return 1
+    except OSError as e:  # nothing listens there (requests' errors are OSErrors too): one line, no traceback
+        print(f"error: cannot reach a server at {args.url} over {args.protocol}: {type(e).__name__}", file=sys.stderr)
+        return 1
     finally:
         client.close()
     return 0

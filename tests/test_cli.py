@@ -38,6 +38,15 @@ def test_client_cli_reports_server_errors(server):
     assert result.returncode == 1 and "max_tokens must be in [1, 512], got 0" in result.stderr
 
 
+@pytest.mark.parametrize("protocol, stream", [("http", True), ("http", False), ("grpc", True)])
+def test_client_cli_says_in_one_line_when_nothing_listens(protocol, stream):
+    port = Ports.free().http
+    result = run(["-m", "client", "Hi", "--url", f"127.0.0.1:{port}", "--protocol", protocol]
+                 + ([] if stream else ["--no-stream"]))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: "), result.stderr
+
+
 def test_launcher_run_once_answers_a_prompt_and_exits(model_dir):
     result = run(["-m", "launcher", "run", "--once", "--prompt", "What is 2 + 2?", "--max-tokens", "8"],
                  env=port_env(Ports.free(), model_dir))
