@@ -6,7 +6,16 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 RUN_ARGS ?=
 
-.PHONY: venv model run serve serve-triton test bench gpu-check clean
+.PHONY: help venv model run serve serve-triton test bench gpu-check clean
+
+help:
+	@echo "make run          install, prepare the model, serve (Triton + OpenAI API), answer PROMPT, keep serving"
+	@echo "make serve        serve Triton (HTTP_PORT, GRPC_PORT, METRICS_PORT) and the OpenAI API (OPENAI_PORT)"
+	@echo "make serve-triton serve Triton alone"
+	@echo "make test         the whole test suite against a real tritonserver (what CI runs)"
+	@echo "make bench        the benchmark (QUICK=1: about 5 minutes; NO_PEERS=1: without llama-server and vLLM)"
+	@echo "make gpu-check    on a GPU host: llm on KIND_GPU, throughput at c=1/16/64"
+	@echo "make model        prepare the default model only; make venv: install only; make clean: remove both"
 
 $(STAMP): requirements.txt requirements-models.txt requirements-frontend.txt requirements-test.txt requirements-bench.txt
 	$(PYTHON) -m venv $(VENV)

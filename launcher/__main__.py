@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("watch", help="reload a model whose Python stub died (needs ADMIN_KEY), until SIGTERM")
     sub.add_parser("health", help="exit 0 when Triton is ready and no Python stub has died")
     run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
-    run_parser.add_argument("--prompt", default="What is the capital of France?")
-    run_parser.add_argument("--max-tokens", type=int, dest="max_tokens", default=None)
+    run_parser.add_argument("--prompt", default="What is the capital of France?", help="the user message to answer")
+    run_parser.add_argument("--max-tokens", type=int, dest="max_tokens", default=None,
+                            help="reply budget in tokens (default: llm's default_max_tokens, 64)")
     run_parser.add_argument("--once", action="store_true", help="exit after the reply")
     run_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
     args = parser.parse_args(argv)
