@@ -114,9 +114,11 @@ class Engine:
             best = (logits if len(plain) == len(rows) else logits[plain]).argmax(-1).tolist()
             for i, token in zip(plain, best):
                 tokens[i] = token
+        def ids(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=logits.device)
+
         for i, seq in enumerate(rows):
             if tokens[i] is None:
-                ids = lambda values: torch.tensor(values, dtype=torch.long, device=logits.device)  # noqa: E731
                 tokens[i] = seq.sampler(logits[i], ids(seq.request.input_ids), ids(seq.output_ids))
         return tokens
 

@@ -243,7 +243,6 @@ def create_app(settings: Settings) -> FastAPI:
         await triton.close()
 
     app = FastAPI(title="triton-chat OpenAI-compatible API", lifespan=lifespan)
-    app.state.triton, app.state.metrics = triton, metrics
     app.add_middleware(Gate, settings=settings, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -273,10 +272,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> Model:
-        return Model(id=settings.model_name, created=int(app.state.started))
+    started = int(time.time())
 
-    app.state.started = time.time()
+    def model_card() -> Model:
+        return Model(id=settings.model_name, created=started)
 
     @app.get("/v1/models")
     async def models() -> dict:

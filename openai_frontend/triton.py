@@ -65,10 +65,6 @@ class Triton:
             self._watch.cancel()
         await self.client.close()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._inboxes)
-
     async def ready(self) -> bool:
         try:
             return await self.client.is_server_ready() and await self.client.is_model_ready(STREAM_MODEL)
