@@ -16,7 +16,8 @@ COPY ensemble_repo/ ensemble_repo/
 COPY preprocess/ preprocess/
 COPY llm/ llm/
 COPY postprocess/ postprocess/
-COPY serving/ serving/
+COPY contract/ contract/
+COPY triton_glue/ triton_glue/
 COPY launcher/ launcher/
 COPY client/ client/
 COPY openai_frontend/ openai_frontend/

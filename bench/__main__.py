@@ -35,8 +35,8 @@ import tritonclient.grpc.aio as grpcaio
 
 from bench import guidellm, load, peers, perf_analyzer, report, roofline, workload
 from bench.static_llm import StaticGenerator
-from launcher.model import prepare_default_model
 from launcher.frontend import OpenAIFrontend
+from launcher.model import prepare_default_model
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, free_port, has_gpu, repository_variant
 from llm import LLM, LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest

@@ -5,28 +5,25 @@ a batch lasts as long as its longest reply and nothing streams: what the in-flig
 The benchmark copies this file into its own model repository as ``llm/1/model.py``.
 """
 
-import importlib.util
 import json
 from dataclasses import replace
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
 from bench.static_llm import StaticGenerator
-from launcher.triton import MODEL_REPOSITORY
+from contract.errors import InvalidInput
+from contract.schema import FinishReason
+from contract.stops import TextTracker
 from llm import LLM, LLMConfig, configure_threads, load_model
 from llm.sequence import Sequence
-from serving.errors import InvalidInput
-from serving.glue import error_response
-from serving.params import read_parameters
-from serving.stops import TextTracker
-
-_spec = importlib.util.spec_from_file_location("shipped_llm", MODEL_REPOSITORY / "llm" / "1" / "model.py")
-shipped = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shipped)
+from triton_glue import llm_model
+from triton_glue.params import read_parameters
+from triton_glue.tensors import error_response
 
 
-class TritonPythonModel(shipped.TritonPythonModel):
+class TritonPythonModel(llm_model.TritonPythonModel):
     def initialize(self, args: dict) -> None:
         model_config = json.loads(args["model_config"])
         device = torch.device("cpu")
@@ -35,20 +32,20 @@ class TritonPythonModel(shipped.TritonPythonModel):
         hf = load_model(config, device)
         self.llm = LLM(config, device, hf)
         self.generator = StaticGenerator(hf, self.llm)
-        self.fingerprint = shipped.np.array([[self.llm.fingerprint.encode()]], dtype=shipped.np.object_)
+        self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
 
     def execute(self, requests: list) -> None:
         batch = []
         for request in requests:
-            handle = shipped.Handle(request.get_response_sender(), "0-0")
+            handle = llm_model.Handle(request.get_response_sender(), "0-0")
             try:
                 batch.append(Sequence(self._validate(request), handle=handle))
             except InvalidInput as e:
-                handle.sender.send(error_response(e), flags=shipped.FINAL)
+                handle.sender.send(error_response(e), flags=llm_model.FINAL)
         if batch:
             for seq, reply in zip(batch, self.generator.generate([s.request for s in batch])):
                 seq.output_ids, seq.text = reply, TextTracker(self.llm.decode)  # one answer: every id
-                seq.finish_reason = "length" if len(reply) == seq.request.max_tokens else "stop"
+                seq.finish_reason = FinishReason.LENGTH if len(reply) == seq.request.max_tokens else FinishReason.STOP
                 self._respond(seq)
         return None
 

@@ -18,16 +18,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from contract.schema import REQUEST, RESPONSE
+
 STREAM_MODEL = "ensemble"
 INFER_MODEL = "ensemble_infer"
-OUTPUTS = ("text_output", "completion_tokens", "prompt_tokens", "finish_reason", "token_logprobs")
-DTYPES = {  # input -> (numpy dtype, Triton datatype)
-    "max_tokens": (np.int32, "INT32"), "top_k": (np.int32, "INT32"), "seed": (np.int64, "INT64"),
-    "temperature": (np.float32, "FP32"), "top_p": (np.float32, "FP32"), "repetition_penalty": (np.float32, "FP32"),
-    "presence_penalty": (np.float32, "FP32"), "frequency_penalty": (np.float32, "FP32"),
-    "apply_chat_template": (bool, "BOOL"), "ignore_eos": (bool, "BOOL"), "logprobs": (bool, "BOOL"),
-    "top_logprobs": (np.int32, "INT32"),
-}
+OUTPUTS = tuple(f.name for f in RESPONSE)
 
 
 @dataclass(frozen=True)
@@ -83,16 +78,17 @@ def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
         return np.array([[v.encode() for v in values]], dtype=np.object_).reshape(1, len(values))
 
     inputs = []
-    for name in ("text_input", "system_prompt"):
-        if getattr(prompt, name) is not None:
-            inputs.append(tensor(name, text([getattr(prompt, name)]), "BYTES"))
-    if prompt.messages is not None:
-        inputs.append(tensor("messages", text([json.dumps(prompt.messages)]), "BYTES"))
-    if prompt.stop:
-        inputs.append(tensor("stop", text(prompt.stop), "BYTES"))
-    for name, (dtype, datatype) in DTYPES.items():
-        if getattr(prompt, name) is not None:
-            inputs.append(tensor(name, np.array([[getattr(prompt, name)]], dtype=dtype), datatype))
+    for field in REQUEST:  # contract/schema.py: each field's Triton type
+        value = None if field.name == "stream" else getattr(prompt, field.name)
+        if value is None or value == []:
+            continue
+        if field.name == "messages":
+            value = json.dumps(value)
+        if field.data_type == "TYPE_STRING":
+            array = text(value if isinstance(value, list) else [value])
+        else:
+            array = np.array([[value]], dtype=field.numpy_type)
+        inputs.append(tensor(field.name, array, field.wire_type))
     if stream is not None:
         inputs.append(tensor("stream", np.array([[stream]], dtype=bool), "BOOL"))
     return inputs

@@ -20,7 +20,7 @@ if [ -z "${ADMIN_KEY}" ]; then
   echo "entrypoint: ADMIN_KEY is not set, the model repository API is locked" >&2
   ADMIN_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 fi
-# Models and tokenizers load only from inside these folders (serving/paths.py).
+# Models and tokenizers load only from inside these folders (contract/paths.py).
 export MODEL_ROOTS="${MODEL_ROOTS:-/opt/chat/cache/models:/models}"
 restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
 # Triton 2.51 does not notice a Python stub that dies; the watchdog reloads its model (launcher/watchdog.py).

@@ -1,6 +1,6 @@
 """Notice a Python stub process that died, and bring its model back.
 
-Triton 2.51 does not notice a dead stub (``serving/stubs.py`` has what it does instead) and never
+Triton 2.51 does not notice a dead stub (``triton_glue/stubs.py`` has what it does instead) and never
 restarts one of a decoupled model. A plain load with the same config is a no-op; unload then load starts
 a fresh stub (about 15 s for llm on 2 cores). This watchdog does that, and ``healthy`` tells the truth
 that ``/v2/health/ready`` does not.
@@ -15,7 +15,7 @@ from pathlib import Path
 import requests
 
 from client.admin import reload_with_config
-from serving import stubs
+from triton_glue import stubs
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def python_models(repository: Path) -> set[str]:
     return {p.parent.parent.name for p in repository.glob("*/1/model.py")}
 
 
-def dead_models(url: str, models: set[str], server_pid: int | None = None) -> set[str]:
+def dead_models_at(url: str, models: set[str], server_pid: int | None = None) -> set[str]:
     """Ready by Triton's account (an open API: no admin key needed), with no stub left."""
     return stubs.dead_models(models, lambda m: requests.get(f"{url}/v2/models/{m}/ready", timeout=10).status_code == 200,
                              server_pid)
@@ -34,7 +34,7 @@ def healthy(url: str, models: set[str], server_pid: int | None = None) -> bool:
     """``/v2/health/ready``, and no ready Python model without its stub: the truth 2.51 does not tell."""
     try:
         return requests.get(f"{url}/v2/health/ready", timeout=5).status_code == 200 and \
-            not dead_models(url, models, server_pid)
+            not dead_models_at(url, models, server_pid)
     except requests.RequestException:
         return False
 
@@ -72,7 +72,7 @@ class Watchdog:
         """The checking loop, until ``stop`` (in this thread: ``python -m launcher watch``)."""
         while not self._stop.wait(self.interval):
             try:
-                for model in sorted(dead_models(self.url, self.models, self.server_pid)):
+                for model in sorted(dead_models_at(self.url, self.models, self.server_pid)):
                     self.recover(model)
             except requests.ConnectionError as e:  # the server is starting or stopping
                 log.debug("watchdog: %s", e)

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from contract.errors import InvalidInput
+from contract.paths import allowed_folder
+from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 from llm.engine import Engine
 from llm.kv import BLOCK_SIZE, BlockTable, cache_slots
 from llm.model import Decoder
@@ -16,9 +20,6 @@ from llm.runner import ModelRunner
 from llm.sampling import SamplingParams
 from llm.scheduler import Scheduler
 from llm.sequence import GenerationRequest, Metrics
-from serving.errors import InvalidInput
-from serving.paths import allowed_folder
-from serving.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SEED_LIMIT = 2**63 - 1
@@ -32,8 +33,8 @@ class LLMConfig:
     model_dir: str
     dtype: str = "auto"  # auto: bfloat16 where the hardware computes it natively, see resolve_dtype
     compile: bool = True  # torch.compile the forward pass (CUDA graphs on GPUs); false runs it eagerly
-    default_max_tokens: int = 64
-    max_tokens_limit: int = 512
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
     max_context_tokens: int = 0  # prompt + reply; 0 means the model's max_position_embeddings
     kv_cache_tokens: int = 16384  # KV budget in cache slots, a multiple of 16; see README for bytes
     max_running_requests: int = 64  # rows decoded together at most
@@ -163,8 +164,8 @@ class LLM:
         frequency_penalty: float | None = None,
         seed: int | None = None,
         stop: list[bytes] | None = None,
-        ignore_eos: bool = False,
-        logprobs: bool = False,
+        ignore_eos: bool | None = None,
+        logprobs: bool | None = None,
         top_logprobs: int | None = None,
         tokenizer_fingerprint: str | None = None,
     ) -> GenerationRequest:
@@ -202,7 +203,7 @@ class LLM:
                 f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the {room} tokens "
                 "one request may hold (the model context or kv_cache_tokens): shorten the prompt or lower max_tokens"
             )
-        return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), ignore_eos,
+        return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), bool(ignore_eos),
                                  top_logprobs if logprobs else None)
 
     def _stop(self, stop: list[bytes]) -> tuple[str, ...]:

@@ -13,11 +13,12 @@ from typing import Callable
 
 import torch
 
+from contract.schema import FinishReason
+from contract.stops import TextTracker
 from llm.runner import ModelRunner
 from llm.sampling import Sampler
 from llm.scheduler import Scheduler, Step
 from llm.sequence import Metrics, Sequence, TokenLogprobs
-from serving.stops import TextTracker
 
 
 class Engine:
@@ -57,7 +58,7 @@ class Engine:
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq`` before the next step; its cache blocks go with that step."""
         if not seq.finished:
-            seq.finish_reason = "cancelled"
+            seq.finish_reason = FinishReason.CANCELLED
 
     # Called from the engine thread only.
     def step(self) -> list[Sequence]:
@@ -77,7 +78,7 @@ class Engine:
         failed = list(self.scheduler.running)
         for seq in failed:
             if not seq.finished:
-                seq.finish_reason, seq.error = "error", error
+                seq.finish_reason, seq.error = FinishReason.ERROR, error
             self.scheduler.finish(seq)
         return failed
 
@@ -143,12 +144,12 @@ class Engine:
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         request = seq.request
         if token in self.eos_ids and not request.ignore_eos:
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
             return
         seq.output_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         if seq.text.add(seq.output_ids):
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
         elif len(seq.output_ids) >= request.max_tokens:
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH

@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from contract.schema import FinishReason
 from llm.kv import BlockTable
 from llm.sequence import Metrics, Overloaded, Sequence
-from serving.errors import OVERLOADED
 
 
 @dataclass
@@ -60,9 +60,9 @@ class Scheduler:
             raise ValueError("a request larger than the KV budget can never run; validate() refuses it")
         with self._lock:
             if len(self.waiting) >= self.max_queued_requests:
-                self.metrics.rejected()
+                self.metrics.overloaded()
                 raise Overloaded(
-                    f"{OVERLOADED}{len(self.waiting)} requests are already waiting for room in the KV budget "
+                    f"{len(self.waiting)} requests are already waiting for room in the KV budget "
                     f"(max_queued_requests={self.max_queued_requests}); retry later"
                 )
             self.waiting.append(seq)
@@ -102,10 +102,10 @@ class Scheduler:
         with self._lock:
             expired = [s for s in self.waiting if not s.finished and now - s.arrived > self.max_queue_seconds]
         for seq in expired:
-            seq.finish_reason = "rejected"
-            seq.error = (f"{OVERLOADED}waited {now - seq.arrived:.0f} s for room in the KV budget "
+            seq.finish_reason = FinishReason.OVERLOADED
+            seq.error = (f"waited {now - seq.arrived:.0f} s for room in the KV budget "
                          f"(max_queue_seconds={self.max_queue_seconds:g}); retry later")
-            self.metrics.rejected()
+            self.metrics.overloaded()
 
     def _drop_finished(self) -> list[Sequence]:
         with self._lock:

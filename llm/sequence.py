@@ -6,8 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from contract.schema import FinishReason
+from contract.stops import TextTracker
 from llm.sampling import Sampler, SamplingParams
-from serving.stops import TextTracker
 
 
 class TokenLogprobs(NamedTuple):
@@ -53,7 +54,7 @@ class Metrics:
     def step(self, running: int, waiting: int, kv_tokens: int) -> None:
         """After every step, forward pass or not."""
 
-    def rejected(self) -> None:
+    def overloaded(self) -> None:
         """A request refused for overload (queue full, or waited too long)."""
 
     def flush(self) -> None:
@@ -69,7 +70,7 @@ class Sequence:
     stream: bool = False  # the caller wants every token, not only the end
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, when the request asks
-    finish_reason: str | None = None  # stop, length, cancelled, rejected (overload) or error
+    finish_reason: FinishReason | None = None
     error: str | None = None
     sent_tokens: int = 0  # output_ids already handed to the caller (kept by whoever answers) ...
     answered: bool = False  # ... and whether the final answer went out

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from contract.schema import FinishReason
 from llm.engine import Engine
 from llm.sequence import Sequence
 
@@ -72,7 +73,7 @@ class EngineLoop:
             self._outbox_ready.notify()
         self._responder.join()
         for seq in self.engine.sequences():
-            seq.finish_reason, seq.error = "error", reason
+            seq.finish_reason, seq.error = FinishReason.ERROR, reason
             self._publish([seq])
         self._send_outbox()
 

@@ -2,10 +2,10 @@
 
 Every generation streams, whatever the client asked: the first response tells whether the pipeline took
 the request (so a bad request is a 4xx before any byte of a stream goes out), and a client that goes away
-cancels the stream, which Triton hands on to llm (``serving/cancel.py``) so its batch row is freed.
+cancels the stream, which Triton hands on to llm (``triton_glue/cancel.py``) so its batch row is freed.
 
 Triton 2.51 never answers the requests a dead decoupled stub held, so a watch on llm's stub processes
-(``serving/stubs.py``, the same one ensemble_infer uses) fails every generation in flight when one dies.
+(``triton_glue/stubs.py``, the same one ensemble_infer uses) fails every generation in flight when one dies.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
 from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of
-from serving.errors import classify
-from serving.stubs import DeathWatch
+from contract.errors import classify
+from triton_glue.stubs import DeathWatch
 
 log = logging.getLogger("openai_frontend")
 

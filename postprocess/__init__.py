@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from serving.errors import InvalidInput
-from serving.stops import visible_text
-from serving.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
+from contract.errors import InvalidInput
+from contract.stops import visible_text
+from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class PostprocessConfig:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class LLMResponse:
     """One llm response: every id so far, how many an earlier response already covered, and whether
     this is the last one. ``logprobs`` (when the request asked) has a row per id: its log-probability,
     then its top alternatives', whose ids are ``top_ids``."""
@@ -53,7 +53,7 @@ class Detokenizer:
                 f"({self.fingerprint!r}): load preprocess and postprocess with the same tokenizer vocabulary"
             )
 
-    def delta(self, chunk: Chunk) -> Delta:
+    def delta(self, response: LLMResponse) -> Delta:
         """The text this response adds to the reply (the whole reply when nothing was sent before).
 
         Stateless incremental detokenization: the text visible after all ids minus the text that was
@@ -65,23 +65,23 @@ class Detokenizer:
         client that joins chunks gets each token once, beside its text; the last response carries the
         rest (a stop string's tokens, whose text is never shown).
         """
-        ids = chunk.output_ids
+        ids = response.output_ids
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise InvalidInput(f"output_ids holds id {bad[0]}, outside the tokenizer vocabulary of {self.vocab_size}")
-        sent = chunk.sent_tokens
+        sent = response.sent_tokens
         if not 0 <= sent <= len(ids):
             raise InvalidInput(f"sent_tokens must be in [0, {len(ids)}], got {sent}")
-        now = visible_text(self._decode(ids), chunk.stop, chunk.finished)
-        before = visible_text(self._decode(ids[:sent]), chunk.stop, final=False) if sent else ""
+        now = visible_text(self._decode(ids), response.stop, response.finished)
+        before = visible_text(self._decode(ids[:sent]), response.stop, final=False) if sent else ""
         text = now[len(before):]
-        if chunk.logprobs is None:
+        if response.logprobs is None:
             return Delta(text)
-        if len(chunk.logprobs) != len(ids) or len(chunk.top_ids or []) != len(ids):
+        if len(response.logprobs) != len(ids) or len(response.top_ids or []) != len(ids):
             raise InvalidInput(f"output_logprobs and top_logprob_ids need a row per output id ({len(ids)})")
         first = self._shown(ids[:sent], len(before))
-        last = len(ids) if chunk.finished else self._shown(ids, len(now))
-        return Delta(text, [self._entry(ids[i], chunk.logprobs[i], chunk.top_ids[i]) for i in range(first, last)])
+        last = len(ids) if response.finished else self._shown(ids, len(now))
+        return Delta(text, [self._entry(ids[i], response.logprobs[i], response.top_ids[i]) for i in range(first, last)])
 
     def _decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)

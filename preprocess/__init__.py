@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from serving.errors import InvalidInput, decode_utf8
-from serving.tokenizer import load_tokenizer, vocab_fingerprint
+from contract.errors import InvalidInput, decode_utf8
+from contract.tokenizer import load_tokenizer, vocab_fingerprint
 
 
 @dataclass(frozen=True)

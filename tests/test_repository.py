@@ -17,6 +17,8 @@ from tritonclient.grpc import model_config_pb2
 import tritonclient.http as httpclient
 
 from client import Prompt, build_inputs
+from contract import schema
+from contract.schema import Field
 from launcher.triton import MODEL_REPOSITORY, REPO_ROOT
 
 SCHEMA = REPO_ROOT.parent / "shared" / "schemas" / "compose-spec.json"
@@ -59,6 +61,57 @@ def test_every_ensemble_step_maps_real_tensors_of_matching_type():
     assert {t.name: t.data_type for t in ensemble.output}.items() <= produced.items()
 
 
+def declared(tensors) -> list[tuple]:
+    """A config's tensors as contract/schema.py declares them."""
+    kind = model_config_pb2.DataType.Name
+    return sorted((t.name, kind(t.data_type), tuple(t.dims), getattr(t, "optional", False)) for t in tensors)
+
+
+def fields(*groups: tuple[Field, ...], optional: bool | None = None) -> list[tuple]:
+    return sorted((f.name, f.data_type, f.dims, f.optional if optional is None else optional) for g in groups for f in g)
+
+
+@pytest.mark.parametrize("model, inputs, outputs", [
+    ("ensemble", fields(schema.REQUEST), fields(schema.RESPONSE, optional=False)),
+    ("ensemble_infer", [f for f in fields(schema.REQUEST) if f[0] != "stream"], fields(schema.RESPONSE)),
+    ("preprocess", fields(schema.request_fields("preprocess")), fields(schema.PREPROCESS_OUTPUTS)),
+    ("llm", sorted(fields(schema.request_fields("llm")) + fields(schema.PREPROCESS_OUTPUTS[:1])
+                   + fields(schema.PREPROCESS_OUTPUTS[1:], optional=True)), fields(schema.LLM_OUTPUTS)),
+    ("postprocess", None, fields(schema.RESPONSE)),
+])
+def test_configs_declare_the_tensors_of_contract_schema(model, inputs, outputs):
+    """contract/schema.py is the one declaration; a config that disagrees names the model and tensor."""
+    found = config(model)
+    if inputs is not None:
+        assert declared(found.input) == inputs, model
+    assert declared(found.output) == outputs, model
+
+
+def test_postprocess_takes_what_llm_gives():
+    post = {name: rest[:2] for name, *rest in declared(config("postprocess").input)}
+    assert post == {name: [data_type, dims] for name, data_type, dims, _ in fields(schema.LLM_OUTPUTS)}
+
+
+def test_the_ensemble_routes_each_request_field_to_the_models_that_read_it():
+    steps = config("ensemble").ensemble_scheduling.step
+    for field in schema.REQUEST:
+        readers = {s.model_name for s in steps if field.name in s.input_map.values()}
+        assert readers == set(field.to), field.name
+
+
+def test_llm_defaults_its_reply_budget_as_contract_schema_says():
+    for name in ("config.pbtxt", "configs/cpu.pbtxt"):
+        parameters = config("llm", name).parameters
+        assert int(parameters["default_max_tokens"].string_value) == schema.DEFAULT_MAX_TOKENS
+        assert int(parameters["max_tokens_limit"].string_value) == schema.MAX_TOKENS_LIMIT
+
+
+def test_the_client_prompt_has_a_field_for_every_request_tensor_but_stream():
+    from dataclasses import fields as dataclass_fields
+
+    assert {f.name for f in dataclass_fields(Prompt)} == {f.name for f in schema.REQUEST} - {"stream"}
+
+
 def test_llm_cpu_config_differs_from_the_gpu_one_only_in_instance_kind():
     gpu, cpu = config("llm"), config("llm", "configs/cpu.pbtxt")
     assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
@@ -73,11 +126,8 @@ def test_llm_is_decoupled_and_takes_prompts_of_different_lengths_together():
     assert next(t for t in llm.input if t.name == "input_ids").allow_ragged_batch
 
 
-def test_ensemble_infer_offers_the_ensemble_interface_without_stream():
-    ensemble, infer = config("ensemble"), config("ensemble_infer")
-    assert not infer.model_transaction_policy.decoupled  # Triton serves infer only on such models
-    assert [(t.name, t.data_type) for t in infer.input] == [(t.name, t.data_type) for t in ensemble.input if t.name != "stream"]
-    assert [(t.name, t.data_type) for t in infer.output] == [(t.name, t.data_type) for t in ensemble.output]
+def test_ensemble_infer_is_not_decoupled():
+    assert not config("ensemble_infer").model_transaction_policy.decoupled  # Triton serves infer only on such models
 
 
 def test_ensemble_infer_guards_every_decoupled_step_of_the_ensemble():

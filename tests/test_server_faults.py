@@ -17,7 +17,7 @@ import requests
 
 from launcher.triton import CACHE_DIR
 from launcher.watchdog import healthy, python_models
-from serving.stubs import stubs
+from triton_glue.stubs import stubs
 
 
 INFER_IN_FLIGHT = 40  # more than the Python backend's default 32 threads, which they would all strand

@@ -11,7 +11,7 @@ import requests
 
 from client.admin import ADMIN_HEADER, swap_tokenizer
 from launcher.triton import CACHE_DIR
-from serving.stubs import stubs
+from triton_glue.stubs import stubs
 
 PIRATE = "You are a pirate captain. Answer every question like a pirate."
 

@@ -6,7 +6,7 @@ bad request in an ``execute`` call never costs its batch-mates their answers.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import itertools
 import json
 import sys
@@ -109,13 +109,11 @@ def fake_pb_utils() -> types.ModuleType:
 @pytest.fixture
 def load_model(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
-    monkeypatch.delitem(sys.modules, "serving.glue", raising=False)
+    for module in [m for m in sys.modules if m.startswith("triton_glue.") and m != "triton_glue.stubs"]:
+        monkeypatch.delitem(sys.modules, module)  # imported anew with the stand-in
 
     def load(name: str):
-        spec = importlib.util.spec_from_file_location(f"{name}_model", MODEL_REPOSITORY / name / "1" / "model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.TritonPythonModel()
+        return importlib.import_module(f"triton_glue.{name}_model").TritonPythonModel()
 
     return load
 

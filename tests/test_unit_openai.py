@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from openai_frontend.__main__ import api_keys
 from client import Chunk
+from openai_frontend.__main__ import api_keys
 from openai_frontend.app import ChatReply, CompletionReply, _pipeline_prompts, _union_member
 from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedField, Usage, refuse_unsupported
 

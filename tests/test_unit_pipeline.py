@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import pytest
 from transformers import AutoTokenizer
 
-from postprocess import Chunk, Delta, Detokenizer, PostprocessConfig
+from contract.errors import InvalidInput
+from contract.stops import TextTracker, find_stop
+from contract.tokenizer import decode_text, vocab_fingerprint
+from postprocess import LLMResponse, Delta, Detokenizer, PostprocessConfig
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
-from serving.errors import InvalidInput
-from serving.params import read_parameters
-from serving.stops import TextTracker, find_stop
-from serving.tokenizer import decode_text, vocab_fingerprint
+from triton_glue.params import read_parameters
 
 
 def params(**values: str) -> dict:
@@ -117,7 +117,7 @@ def detokenizer(model_dir) -> Detokenizer:
 
 
 def whole(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> str:
-    return detokenizer.delta(Chunk(ids, 0, finished=True, stop=stop)).text
+    return detokenizer.delta(LLMResponse(ids, 0, finished=True, stop=stop)).text
 
 
 def deltas(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (), every: int = 1,
@@ -135,7 +135,7 @@ def deltas(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (),
         start = tracker.window(sent)
         if starts is not None:
             starts.append(start)
-        found.append(detokenizer.delta(Chunk(
+        found.append(detokenizer.delta(LLMResponse(
             ids[start:n], sent - start, finished=finished, stop=stop,
             logprobs=rows[start:n] if logprobs else None, top_ids=[[0]] * (n - start) if logprobs else None,
         )))

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from serving import stubs
-from serving.stubs import DeathWatch, zombies
+from triton_glue import stubs
+from triton_glue.stubs import DeathWatch, zombies
 
 
 @pytest.fixture

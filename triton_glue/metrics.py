@@ -72,7 +72,7 @@ class TritonMetrics(Metrics):
         with self._lock:
             self._counts["forwards"] += 1
 
-    def rejected(self) -> None:
+    def overloaded(self) -> None:
         with self._lock:
             self._counts["rejections"] += 1
 

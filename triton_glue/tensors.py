@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from serving.errors import InvalidInput
+from contract.errors import InvalidInput
 
 
 def single(request: "pb_utils.InferenceRequest", name: str) -> np.ndarray | None:

@@ -1,0 +1,64 @@
+"""The import graph: arrows point down the layers of docs/architecture.md, never up or sideways.
+
+The layers, bottom first. A package may import its own modules and any package of a lower layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from launcher.triton import REPO_ROOT
+
+LAYERS = [
+    {"contract"},  # the text<->ids contract and the request schema: no Triton, no torch
+    {"preprocess", "llm", "postprocess"},  # the work, each usable without a server
+    {"triton_glue", "client"},  # inside Triton's stubs / talking to Triton over the wire
+    {"ensemble_repo"},  # what Triton loads: re-exports of triton_glue
+    {"launcher", "openai_frontend"},  # processes that run or front the server
+    {"bench"},
+]
+LAYER = {package: n for n, packages in enumerate(LAYERS) for package in packages}
+
+
+def imports(path: Path) -> set[str]:
+    """The project packages ``path`` imports (absolute imports only; the repository uses no others)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import"
+            found.add(node.module.split(".")[0])
+    return found & set(LAYER)
+
+
+def edges() -> list[tuple[str, str, Path]]:
+    return [(path.relative_to(REPO_ROOT).parts[0], target, path)
+            for package in LAYER for path in sorted((REPO_ROOT / package).rglob("*.py"))
+            for target in imports(path)]
+
+
+def test_every_python_package_of_the_repository_has_a_layer():
+    packages = {p.parent.name for p in REPO_ROOT.glob("*/__init__.py")}
+    assert packages <= set(LAYER), packages - set(LAYER)
+
+
+@pytest.mark.parametrize("source, target, path", edges(), ids=lambda v: str(v) if isinstance(v, Path) else v)
+def test_imports_point_down_a_layer(source, target, path):
+    if source != target:
+        assert LAYER[target] < LAYER[source], f"{path.relative_to(REPO_ROOT)} imports {target}: up or sideways"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from launcher.triton import REPO_ROOT\nimport llm.engine\n")
+    assert imports(module) == {"launcher", "llm"}
+
+
+def test_each_package_says_what_it_is_for():
+    for package in set(LAYER) - {"ensemble_repo"}:
+        doc = ast.get_docstring(ast.parse((REPO_ROOT / package / "__init__.py").read_text()))
+        assert doc and len(doc) > 40, package

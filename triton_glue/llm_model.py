@@ -1,0 +1,135 @@
+"""Triton glue for ``llm`` (decoupled): ``execute`` validates and hands requests to the engine thread."""
+
+import itertools
+import json
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, InvalidInput, decode_utf8
+from contract.schema import FinishReason, request_fields
+from llm import LLM, LLMConfig, configure_threads
+from llm.sequence import Overloaded, Sequence
+from llm.service import EngineLoop
+from triton_glue import cancel
+from triton_glue.metrics import TritonMetrics
+from triton_glue.params import read_parameters
+from triton_glue.tensors import error_response, response, scalar, single
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# The request fields LLM.validate takes as keyword arguments, one value each (contract/schema.py).
+SCALARS = tuple(f.name for f in request_fields("llm") if f.dims == (1,) and f.name not in ("max_tokens", "stream"))
+
+
+class Handle(NamedTuple):
+    """What the engine carries for Triton: where answers go, and the name cancellation uses."""
+
+    sender: "pb_utils.InferenceResponseSender"
+    generation_id: str
+
+
+def _logprobs(seq: Sequence, start: int, end: int) -> dict[str, np.ndarray]:
+    """The log-probabilities of ``output_ids[start:end]``, a row per id: the id's own, then its top
+    alternatives (and their ids). Zero columns when the request did not ask."""
+    k = seq.request.logprobs
+    rows = seq.logprobs[start:end] if k is not None else []
+    values = np.array([[lp.logprob, *lp.top_logprobs] for lp in rows], dtype=np.float32).reshape(len(rows), -1 if rows else 0)
+    ids = np.array([lp.top_ids for lp in rows], dtype=np.int32).reshape(len(rows), k or 0)
+    return {"output_logprobs": values[None], "top_logprob_ids": ids[None]}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        model_config = json.loads(args["model_config"])
+        config = read_parameters(model_config, LLMConfig)
+        gpu = args["model_instance_kind"] == "GPU"
+        device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
+        instances = sum(group.get("count", 1) for group in model_config["instance_group"])
+        metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens)
+
+        def build():  # on the engine thread, where all of torch's work happens (llm/service.py says why)
+            if gpu:
+                torch.cuda.set_device(device)
+            threads = configure_threads(instances, device)
+            self.llm = LLM(config, device)
+            engine = self.llm.engine(metrics)
+            pb_utils.Logger.log_info(
+                f"llm: {config.model_dir} on {device} as {self.llm.dtype}, {threads} threads, "
+                f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
+                f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
+                f"{self.llm.kv_bytes_per_token} bytes = {config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
+                f"up to {config.max_running_requests} running requests and {config.max_batched_tokens} tokens a step"
+            )
+            return engine
+
+        self.loop = EngineLoop(build, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
+        self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
+        self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                handle = Handle(sender, next(self.ids))
+                seq = Sequence(self._validate(request), handle=handle, stream=bool(scalar(request, "stream")))
+            except InvalidInput as e:
+                sender.send(error_response(e), flags=FINAL)
+                continue
+            try:
+                self.loop.submit(seq)
+            except Overloaded as e:
+                sender.send(error_response(OVERLOADED + str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+        return None
+
+    def _validate(self, request):
+        ids = single(request, "input_ids")
+        if ids is None:
+            raise InvalidInput("input_ids is required")
+        stop = single(request, "stop")
+        fingerprint = scalar(request, "tokenizer_fingerprint")
+        return self.llm.validate(
+            ids.tolist(), scalar(request, "max_tokens"), **{name: scalar(request, name) for name in SCALARS},
+            stop=None if stop is None else list(stop),
+            tokenizer_fingerprint=None if fingerprint is None else decode_utf8("tokenizer_fingerprint", fingerprint),
+        )
+
+    def _is_cancelled(self, seq: Sequence) -> bool:
+        return seq.handle.sender.is_cancelled() or cancel.take(seq.handle.generation_id)
+
+    def _respond(self, seq: Sequence) -> bool:
+        """The responder thread's answer: the tail of the ids that postprocess needs to turn everything new
+        since the last answer into text (``TextTracker.window``), or an error. True when it was final."""
+        finished = seq.finished  # read before the ids: a finished sequence's ids are all there
+        sender = seq.handle.sender
+        if seq.finish_reason is FinishReason.ERROR:
+            sender.send(error_response(INTERNAL_ERROR + seq.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
+            return True
+        if seq.finish_reason is FinishReason.OVERLOADED:
+            sender.send(error_response(OVERLOADED + seq.error, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            return True
+        if seq.finish_reason is FinishReason.CANCELLED:
+            sender.send(error_response(CANCELLED, pb_utils.TritonError.CANCELLED), flags=FINAL)
+            return True
+        count = len(seq.output_ids)
+        if count == seq.sent_tokens and not finished:
+            return False
+        start = seq.text.window(seq.sent_tokens)
+        sender.send(response(
+            output_ids=np.array([seq.output_ids[start:count]], dtype=np.int32),
+            sent_tokens=np.array([[seq.sent_tokens - start]], dtype=np.int32),
+            completion_tokens=np.array([[count]], dtype=np.int32),
+            prompt_tokens=np.array([[len(seq.request.input_ids)]], dtype=np.int32),
+            finish_reason=np.array([[seq.finish_reason.value.encode() if finished else b""]], dtype=np.object_),
+            tokenizer_fingerprint=self.fingerprint,
+            stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
+            generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
+            **_logprobs(seq, start, count),
+        ), flags=FINAL if finished else 0)
+        seq.sent_tokens = count
+        return finished
+
+    def finalize(self) -> None:
+        self.loop.stop()

@@ -1,0 +1,56 @@
+"""Triton glue for ``postprocess``: one llm response in, ``postprocess.Detokenizer`` does the work, text out."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from contract.errors import CANCELLED, InvalidInput, decode_utf8
+from postprocess import LLMResponse, Detokenizer, PostprocessConfig
+from triton_glue import cancel
+from triton_glue.params import read_parameters
+from triton_glue.tensors import error_response, response, scalar, single
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = read_parameters(json.loads(args["model_config"]), PostprocessConfig)
+        self.detokenizer = Detokenizer(config)
+        pb_utils.Logger.log_info(
+            f"postprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.detokenizer.fingerprint})"
+        )
+
+    def execute(self, requests: list) -> list:
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request) -> "pb_utils.InferenceResponse":
+        if request.is_cancelled():
+            generation_id = scalar(request, "generation_id")
+            if generation_id is not None:
+                cancel.mark(generation_id.decode("utf-8", "replace"))
+            return error_response(CANCELLED, pb_utils.TritonError.CANCELLED)
+        try:
+            ids = single(request, "output_ids")
+            fingerprint = scalar(request, "tokenizer_fingerprint")
+            if ids is None or fingerprint is None:
+                raise InvalidInput("output_ids and tokenizer_fingerprint are required")
+            self.detokenizer.check(decode_utf8("tokenizer_fingerprint", fingerprint))
+            finish_reason = scalar(request, "finish_reason") or b""
+            stop = single(request, "stop")
+            logprobs, top_ids = single(request, "output_logprobs"), single(request, "top_logprob_ids")
+            asked = logprobs is not None and top_ids is not None and logprobs.shape[-1] > 0
+            delta = self.detokenizer.delta(LLMResponse(
+                ids.tolist(), scalar(request, "sent_tokens") or 0, finished=bool(finish_reason),
+                stop=() if stop is None else tuple(decode_utf8("stop", s) for s in stop),
+                logprobs=logprobs.tolist() if asked else None, top_ids=top_ids.tolist() if asked else None,
+            ))
+        except InvalidInput as e:
+            return error_response(e)
+        token_logprobs = b"" if delta.logprobs is None else json.dumps(delta.logprobs).encode()
+        return response(
+            text_output=np.array([[delta.text.encode("utf-8")]], dtype=np.object_),
+            token_logprobs=np.array([[token_logprobs]], dtype=np.object_),
+            completion_tokens=np.array([[scalar(request, "completion_tokens") or 0]], dtype=np.int32),
+            prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
+            finish_reason=np.array([[finish_reason]], dtype=np.object_),
+        )
