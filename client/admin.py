@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-
 from typing import Callable
 
 import tritonclient.grpc as grpcclient
@@ -45,9 +45,14 @@ def reload_with_config(grpc_url: str, model: str, edit: Callable[[dict], None], 
             client.unload_model(model, headers=headers, client_timeout=timeout)
         client.load_model(model, headers=headers, config=json.dumps(config), client_timeout=timeout)
     except InferenceServerException as e:
-        raise RuntimeError(f"loading {model} with {change} failed: {e.message()}") from None
+        raise RuntimeError(f"loading {model} with {change} failed: {reason(e.message())}") from None
     finally:
         client.close()
+
+
+def reason(message: str) -> str:
+    """Triton's message without the Python stack (``At:`` lines) its Python backend appends to a failed load."""
+    return re.split(r"\n\s*At:\n", message, maxsplit=1)[0].strip()
 
 
 def swap_tokenizer(grpc_url: str, tokenizer_dir: str, models: tuple[str, ...] = ("preprocess",), admin_key: str | None = None,
@@ -58,6 +63,9 @@ def swap_tokenizer(grpc_url: str, tokenizer_dir: str, models: tuple[str, ...] = 
     enough (``postprocess`` too when its decoding should change). A tokenizer with another vocabulary
     does not fit the llm model: llm refuses its ids with a clear fingerprint error.
     """
+    if not os.path.isabs(tokenizer_dir):
+        raise RuntimeError(f"tokenizer_dir must be an absolute path as the server sees it, got {tokenizer_dir!r}")
+
     def use_tokenizer(config: dict) -> None:
         config["parameters"]["tokenizer_dir"] = {"string_value": tokenizer_dir}
 
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{', '.join(models)} now use {args.tokenizer_dir}")
+    print(f"{' and '.join(models)} now {'use' if len(models) > 1 else 'uses'} the tokenizer in {args.tokenizer_dir}")
     return 0
 
 

@@ -17,7 +17,10 @@ def model_roots() -> list[Path]:
 
 
 def allowed_folder(parameter: str, folder: str) -> Path:
-    """``folder`` resolved, when it lies inside one of ``MODEL_ROOTS``."""
+    """``folder`` resolved, when it is absolute and lies inside one of ``MODEL_ROOTS`` (a relative one would
+    depend on the server's working directory)."""
+    if not Path(folder).is_absolute():
+        raise ValueError(f"parameter '{parameter}': {folder} is a relative path; give an absolute one")
     path, roots = Path(folder).resolve(), model_roots()
     if roots and not any(path.is_relative_to(root) for root in roots):
         raise ValueError(

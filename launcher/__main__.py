@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from launcher.frontend import OpenAIFrontend
-from launcher.model import prepare_default_model
+from launcher.model import check_model_dir, prepare_default_model
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
 from launcher.watchdog import Watchdog, healthy, python_models
 
@@ -26,8 +26,8 @@ log = logging.getLogger("launcher")
 def model_dir() -> Path:
     configured = os.environ.get("MODEL_DIR")
     path = Path(configured).resolve() if configured else prepare_default_model()
-    if not (path / "config.json").exists():
-        raise SystemExit(f"MODEL_DIR={path} is not a Hugging Face model folder (no config.json)")
+    for warning in check_model_dir(path):
+        log.warning(warning)
     return path
 
 

@@ -7,6 +7,7 @@ once; the result is saved under ``.cache/models/`` and reused, so later runs tak
 
 from __future__ import annotations
 
+import json
 import logging
 from importlib import metadata
 from pathlib import Path
@@ -50,3 +51,28 @@ def prepare_default_model(target: Path = DEFAULT_MODEL_DIR) -> Path:
     tokenizer.save_pretrained(target)
     done.write_text(f"{gguf.name}\n")
     return target
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: Path) -> list[str]:
+    """Refuse a folder the models could not load, naming the missing file, before Triton starts (a load
+    failure inside Triton shows up only after the stubs start, and deep in its log). Returns warnings:
+    a folder without a chat template serves only requests with ``apply_chat_template: false``."""
+    if not path.is_dir():
+        raise RuntimeError(f"MODEL_DIR={path} is not a folder")
+    missing = [
+        f"{what} ({' or '.join(names)})" if len(names) > 1 else what
+        for what, names in (("config.json", ("config.json",)), ("weights", WEIGHTS), ("a tokenizer", TOKENIZER))
+        if not any((path / name).is_file() for name in names)
+    ]
+    if missing:
+        raise RuntimeError(f"MODEL_DIR={path} is not a Hugging Face causal LM folder; missing " + "; ".join(missing))
+    tokenizer_config = path / "tokenizer_config.json"
+    has_template = (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file() or (
+        tokenizer_config.is_file() and "chat_template" in json.loads(tokenizer_config.read_text()))
+    return [] if has_template else [
+        f"MODEL_DIR={path} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): "
+        "requests must send apply_chat_template=false (the OpenAI chat API answers 400; /v1/completions works)"]

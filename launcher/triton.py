@@ -26,6 +26,7 @@ import requests
 
 from client.admin import ADMIN_HEADER
 from launcher.watchdog import Watchdog, python_models
+from triton_glue import stubs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "ensemble_repo"
@@ -44,6 +45,7 @@ RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 # stranded by a dead stub holds its thread for good: with the default, 40 infer requests in flight at a
 # kill left ensemble_infer unable to answer anything, their guard's errors included (measured).
 PYTHON_BACKEND_THREADS = 512
+UNLOADED_GRACE = 3.0  # seconds Triton gets to exit on its own once no stub is left (TritonServer.stop)
 
 
 def repository_variant(target: Path, edit_llm_config: Callable[[str], str], llm_model: Path | None = None) -> Path:
@@ -274,10 +276,32 @@ class TritonServer:
         return self.log_path.read_text(errors="replace").count(f"successfully loaded '{model}'")
 
     def stop(self, timeout: float = 40.0) -> None:
-        """SIGTERM (Triton drains in-flight requests), then SIGKILL the whole group past the deadline."""
+        """SIGTERM: Triton finishes the requests in flight, then unloads every model. SIGKILL past ``timeout``.
+
+        Triton 2.51 counts a model whose load failed (a tokenizer swap to a bad folder) as live until its
+        whole ``--exit-timeout-secs`` runs out, then exits with "Exit timeout expired". Once every Python
+        stub has exited, every request was answered and every model unloaded, so past a short grace the
+        launcher ends the process itself instead of waiting out those 30 s.
+        """
         if self.watchdog:
             self.watchdog.stop()
-        stop_group(self.process, timeout)
+        if not self.process or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        deadline, unloaded_at = time.monotonic() + timeout, None
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if stubs.stubs(self.process.pid):
+                unloaded_at = None
+            elif unloaded_at is None:
+                unloaded_at = time.monotonic()
+            elif time.monotonic() - unloaded_at > UNLOADED_GRACE:
+                log.info("every model is unloaded; ending tritonserver (Triton 2.51 would wait out its exit "
+                         "timeout for a model whose load failed)")
+                break
+            time.sleep(0.2)
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
     def __enter__(self) -> "TritonServer":
         return self.start()

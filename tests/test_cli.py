@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -172,3 +173,64 @@ def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_pa
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("remove, named", [
+    ("config.json", "missing config.json"),
+    ("model.safetensors", "missing weights (model.safetensors or"),
+    ("tokenizer.json", "missing a tokenizer (tokenizer.json or"),
+])
+def test_launcher_refuses_an_incomplete_model_dir_at_once_naming_the_missing_file(model_dir, tmp_path, remove, named):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in model_dir.iterdir():
+        if file.name != remove:
+            (folder / file.name).symlink_to(file)
+    started = time.monotonic()
+    result = run(["-m", "launcher", "run", "--once"], env=port_env(Ports.free(), folder))
+    assert result.returncode == 1 and named in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - started < 30  # before tritonserver starts, not after a failed load
+
+
+def test_launcher_warns_about_a_model_dir_without_a_chat_template(model_dir, tmp_path):
+    from launcher.model import check_model_dir
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in model_dir.iterdir():
+        (folder / file.name).symlink_to(file)
+    assert check_model_dir(folder) == []
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    [warning] = check_model_dir(folder)
+    assert "no chat template" in warning and "apply_chat_template=false" in warning
+
+
+def test_launcher_serve_stops_in_seconds_even_after_a_failed_tokenizer_swap(model_dir, tmp_path):
+    """Triton 2.51 keeps a model whose load failed "live" until its 30 s exit timeout; the launcher sees
+    every stub gone and ends it, so an idle server stops in seconds without "Exit timeout expired"."""
+    from client.admin import swap_tokenizer
+
+    ports, log = Ports.free(), tmp_path / "serve.log"
+    env = {**port_env(ports, model_dir), "ADMIN_KEY": "stop-test-key"}
+    serve = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--no-openai"], cwd=REPO_ROOT, env=env,
+                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not _answers(f"http://127.0.0.1:{ports.http}/v2/health/ready"):
+            assert time.monotonic() < deadline and serve.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        with pytest.raises(RuntimeError, match="outside MODEL_ROOTS"):
+            swap_tokenizer(f"127.0.0.1:{ports.grpc}", "/etc", admin_key="stop-test-key")
+        started = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+        took = time.monotonic() - started
+    finally:
+        serve.kill()
+    output = log.read_text(errors="replace")
+    assert "Exit timeout expired" not in output and "every model is unloaded" in output
+    assert took < 15, f"stopping took {took:.1f} s"  # Triton alone: its whole 30 s exit timeout
