@@ -12,7 +12,7 @@ if nvidia-smi -L >/dev/null 2>&1; then
   config=""
 else
   echo "entrypoint: no GPU visible, serving llm on the CPU (--model-config-name=cpu)" >&2
-  config="--model-config-name=cpu"
+  config="--model-config-name=cpu --pinned-memory-pool-byte-size=0 --cuda-memory-pool-byte-size=0:0 --allow-gpu-metrics=false"
 fi
 # The APIs that change the server (model load/unload, shared memory, logging, tracing) need the header
 # admin-key: $ADMIN_KEY. Without ADMIN_KEY the key is random, so they stay shut.

@@ -45,6 +45,9 @@ RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 # stranded by a dead stub holds its thread for good: with the default, 40 infer requests in flight at a
 # kill left ensemble_infer unable to answer anything, their guard's errors included (measured).
 PYTHON_BACKEND_THREADS = 512
+# Without a GPU: no pinned or CUDA memory pools and no GPU metrics, which only log warnings there. Two
+# error lines remain that no flag silences, both harmless on a CPU (docs/operations.md).
+CPU_ONLY_FLAGS = ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false"]
 UNLOADED_GRACE = 3.0  # seconds Triton gets to exit on its own once no stub is left (TritonServer.stop)
 
 
@@ -243,6 +246,8 @@ class TritonServer:
         ]
         if config_name:
             cmd.append(f"--model-config-name={config_name}")
+        if config_name == "cpu":
+            cmd += CPU_ONLY_FLAGS
         return cmd + self.extra_args
 
     def start(self) -> "TritonServer":

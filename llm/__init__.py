@@ -36,7 +36,7 @@ class LLMConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = MAX_TOKENS_LIMIT
     max_context_tokens: int = 0  # prompt + reply; 0 means the model's max_position_embeddings
-    kv_cache_tokens: int = 16384  # KV budget in cache slots, a multiple of 16; see README for bytes
+    kv_cache_tokens: int = 16384  # KV budget in cache slots, a multiple of 16; see docs/configuration.md for bytes
     max_running_requests: int = 64  # rows decoded together at most
     max_batched_tokens: int = 256  # tokens in one forward pass: the decode rows, then prompt chunks
     max_queued_requests: int = 256  # waiting for the KV budget; more are refused at once (overloaded)

@@ -270,3 +270,13 @@ def test_launcher_and_image_give_the_python_backend_threads_for_every_infer_call
     assert flag in (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
     max_in_flight = int(config("ensemble_infer").parameters["max_in_flight"].string_value)
     assert PYTHON_BACKEND_THREADS >= max_in_flight + 128  # room left for calls stranded by dead stubs
+
+
+def test_launcher_and_image_turn_off_the_gpu_pools_and_metrics_alike_on_a_cpu_host():
+    from launcher.triton import CPU_ONLY_FLAGS, TritonServer
+
+    entrypoint = (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
+    assert f'config="--model-config-name=cpu {" ".join(CPU_ONLY_FLAGS)}"' in entrypoint
+    command = TritonServer(admin_key="k", model_config_name="cpu").command()
+    assert command[-len(CPU_ONLY_FLAGS):] == CPU_ONLY_FLAGS
+    assert not set(CPU_ONLY_FLAGS) & set(TritonServer(admin_key="k", model_config_name="").command())
