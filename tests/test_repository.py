@@ -102,8 +102,8 @@ def test_the_ensemble_routes_each_request_field_to_the_models_that_read_it():
 def test_llm_defaults_its_reply_budget_as_contract_schema_says():
     for name in ("config.pbtxt", "configs/cpu.pbtxt"):
         parameters = config("llm", name).parameters
-        assert int(parameters["default_max_tokens"].string_value) == schema.DEFAULT_MAX_TOKENS
-        assert int(parameters["max_tokens_limit"].string_value) == schema.MAX_TOKENS_LIMIT
+        assert parameters["default_max_tokens"].string_value == f"${{DEFAULT_MAX_TOKENS:-{schema.DEFAULT_MAX_TOKENS}}}"
+        assert parameters["max_tokens_limit"].string_value == f"${{MAX_TOKENS_LIMIT:-{schema.MAX_TOKENS_LIMIT}}}"
 
 
 def test_the_client_prompt_has_a_field_for_every_request_tensor_but_stream():

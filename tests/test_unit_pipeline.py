@@ -274,3 +274,25 @@ def test_the_admin_client_refuses_a_relative_tokenizer_dir_before_asking_the_ser
 
     with pytest.raises(RuntimeError, match="absolute path"):
         swap_tokenizer("127.0.0.1:1", "models/x")
+
+
+def test_parameters_take_environment_defaults_nested_and_name_the_key_when_unset(monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Config:
+        tokenizer_dir: str
+        kv_cache_tokens: int = 0
+
+    def config(tokenizer_dir: str, kv: str) -> dict:
+        return {"name": "m", "parameters": {"tokenizer_dir": {"string_value": tokenizer_dir}, "kv_cache_tokens": {"string_value": kv}}}
+
+    monkeypatch.setenv("MODEL_DIR", "/models/a")
+    monkeypatch.delenv("TOKENIZER_DIR", raising=False)
+    monkeypatch.delenv("KV_CACHE_TOKENS", raising=False)
+    assert read_parameters(config("${TOKENIZER_DIR:-${MODEL_DIR}}", "${KV_CACHE_TOKENS:-16384}"), Config) == Config("/models/a", 16384)
+    monkeypatch.setenv("TOKENIZER_DIR", "/models/b")
+    monkeypatch.setenv("KV_CACHE_TOKENS", "32768")
+    assert read_parameters(config("${TOKENIZER_DIR:-${MODEL_DIR}}", "${KV_CACHE_TOKENS:-16384}"), Config) == Config("/models/b", 32768)
+    with pytest.raises(ValueError, match=r"parameter 'tokenizer_dir' references \$\{UNSET_DIR\}"):
+        read_parameters(config("${UNSET_DIR}", "1"), Config)

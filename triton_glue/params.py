@@ -1,8 +1,9 @@
 """Typed reading of a model's ``parameters { key: ... value: { string_value: ... } }`` block.
 
-Values may reference environment variables as ``${NAME}`` (the launcher and compose set ``MODEL_DIR``),
-so the same ``ensemble_repo/`` serves a local checkout and a container. A bad or missing value fails the
-model load with a message that names the key.
+Values may reference environment variables as ``${NAME}`` (the launcher and compose set ``MODEL_DIR``)
+or ``${NAME:-default}``, nested (``${TOKENIZER_DIR:-${MODEL_DIR}}``), so the same ``ensemble_repo/``
+serves a local checkout, a container and a Kubernetes pod whose ConfigMap sets the tunables. A bad or
+missing value fails the model load with a message that names the key.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar, get_type_hints
 
 T = TypeVar("T")
-_ENV_REF = re.compile(r"\$\{(\w+)\}")
+_ENV_REF = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")  # innermost first: a default holds no reference
 
 
 def _expand(key: str, value: str) -> str:
     def env(match: re.Match) -> str:
-        name = match.group(1)
-        if name not in os.environ:
+        name, default = match.groups()
+        if os.environ.get(name):
+            return os.environ[name]
+        if default is None:
             raise ValueError(f"parameter '{key}' references ${{{name}}}, which is not set in the environment")
-        return os.environ[name]
+        return default
 
-    return _ENV_REF.sub(env, value)
+    while (expanded := _ENV_REF.sub(env, value)) != value:
+        value = expanded
+    return value
 
 
 def _convert(key: str, value: str, kind: type) -> Any:
