@@ -31,6 +31,7 @@ unset ADMIN_KEY  # the models have no use for it
 # exec: tritonserver replaces this shell as PID 1, so docker stop's SIGTERM reaches it, and it drains
 # in-flight requests for up to --exit-timeout-secs before it exits.
 exec tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \
+  --http-port="${HTTP_PORT:-8000}" --grpc-port="${GRPC_PORT:-8001}" --metrics-port="${METRICS_PORT:-8002}" \
   --load-model='*' --exit-timeout-secs=30 --backend-config=python,thread-pool-size=512 \
   --http-restricted-api="$restricted" --grpc-restricted-protocol="$restricted" \
   $config "$@"

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from launcher.frontend import OpenAIFrontend
-from launcher.model import check_model_dir, prepare_default_model
+from launcher.model import check_model_dir, prepare_default_model, seed_model_dir
 from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
 from launcher.watchdog import Watchdog, healthy, python_models
 
@@ -129,6 +129,22 @@ def health() -> int:
     return 0 if healthy(local_url(), python_models(repository)) else 1
 
 
+def check_model(seed: bool) -> int:
+    """Exit 1, naming what is missing, unless MODEL_DIR is a complete model folder (Kubernetes' init
+    container); ``seed`` first copies the default model there when MODEL_DIR names it and it is absent."""
+    path = Path(os.environ.get("MODEL_DIR", "")).resolve()
+    if seed and seed_model_dir(path):
+        log.info("copied the default model into %s", path)
+    try:
+        for warning in check_model_dir(path):
+            log.warning(warning)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    log.info("MODEL_DIR %s is complete", path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__,
@@ -139,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
     sub.add_parser("watch", help="reload a model whose Python stub died (needs ADMIN_KEY), until SIGTERM")
     sub.add_parser("health", help="exit 0 when Triton is ready and no Python stub has died")
+    check_parser = sub.add_parser("check-model", help="exit 1, naming what is missing, unless MODEL_DIR is a complete model folder")
+    check_parser.add_argument("--seed", action="store_true", help="first copy the default model to MODEL_DIR when it names it and is absent")
     run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
     run_parser.add_argument("--prompt", default="What is the capital of France?", help="the user message to answer")
     run_parser.add_argument("--max-tokens", type=int, dest="max_tokens", default=None,
@@ -149,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         print(prepare_default_model())
         return 0
+    if args.command == "check-model":
+        return check_model(args.seed)
     commands = {"watch": watch, "health": health}
     if args.command in commands:
         return commands[args.command]()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -76,3 +78,19 @@ def check_model_dir(path: Path) -> list[str]:
     return [] if has_template else [
         f"MODEL_DIR={path} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): "
         "requests must send apply_chat_template=false (the OpenAI chat API answers 400; /v1/completions works)"]
+
+
+def seed_model_dir(path: Path) -> bool:
+    """Copy the default model into ``path`` when ``path`` is missing and named like it (a fresh volume in
+    Kubernetes); True when it copied. Copied beside and renamed, so a reader never sees half a folder
+    (two pods seeding at once: one rename wins, the other's copy is dropped)."""
+    if path.exists() or path.name != DEFAULT_MODEL_DIR.name:
+        return False
+    source = prepare_default_model()
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    shutil.copytree(source, partial)
+    try:
+        partial.rename(path)
+    except OSError:  # another pod renamed its copy first
+        shutil.rmtree(partial)
+    return True

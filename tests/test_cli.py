@@ -155,11 +155,10 @@ def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_pa
     home = install_tritonserver()
     env = server_env({"MODEL_DIR": str(model_dir), "MODEL_REPOSITORY": str(MODEL_REPOSITORY)})
     env["PATH"] = f"{home / 'bin'}{os.pathsep}{env['PATH']}"
-    env["HTTP_PORT"], env["GRPC_PORT"] = str(ports.http), str(ports.grpc)  # for the entrypoint's watchdog
+    env |= {"HTTP_PORT": str(ports.http), "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics)}
     log = (tmp_path / "entrypoint.log").open("wb")
     proc = subprocess.Popen(
-        [str(REPO_ROOT / "docker" / "entrypoint.sh"), f"--backend-directory={home / 'backends'}",
-         f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}"],
+        [str(REPO_ROOT / "docker" / "entrypoint.sh"), f"--backend-directory={home / 'backends'}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:

@@ -11,7 +11,7 @@ import pytest
 
 from launcher.triton import REPO_ROOT
 
-PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md")), *sorted((REPO_ROOT / "deploy").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
