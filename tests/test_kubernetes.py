@@ -13,12 +13,14 @@ from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
+import psutil
 import pytest
 import requests
 import yaml
 
 from launcher.model import DEFAULT_MODEL_DIR
-from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env
+from launcher.triton import (CACHE_DIR, MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env,
+                             wait_healthy)
 
 K8S = REPO_ROOT / "deploy" / "kubernetes"
 SCHEMAS = K8S / "schemas"
@@ -195,6 +197,10 @@ def test_volumes_match_compose_and_the_drain(rendered):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": compose["shm_size"].replace("gb", "Gi")}
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == one(rendered, "PersistentVolumeClaim")["metadata"]["name"]
+    env = environment(rendered, containers(rendered)["triton"])
+    mounts = {m["name"]: m["mountPath"] for m in containers(rendered)["triton"]["volumeMounts"]}
+    assert mounts["models"] == env["MODEL_ROOTS"] and Path(env["MODEL_DIR"]).is_relative_to(mounts["models"])
+    assert mounts["dshm"] == "/dev/shm" and Path(env["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(mounts["tmp"])
     exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", (REPO_ROOT / "docker" / "entrypoint.sh").read_text()).group(1))
     pause = int(containers(rendered)["triton"]["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pause + exit_timeout
@@ -313,6 +319,42 @@ def test_the_entrypoint_serves_with_the_deployments_environment_and_its_probes_p
         reply = requests.post(f"{server.url}/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 4}, timeout=120)
         assert reply.status_code == 200 and reply.json()["completion_tokens"] > 0
         assert f"preprocess: tokenizer {models / DEFAULT_MODEL_DIR.name}" in log.read_text(errors="replace")
+        openai = pods["openai"]  # the second container: the front end on this tritonserver
+        openai_env = localized(environment(objects, openai)) | {
+            "TRITON_GRPC_URL": f"127.0.0.1:{ports.grpc}", "OPENAI_PORT": str(ports.openai)}
+        front = subprocess.Popen([str(REPO_ROOT / "docker" / "entrypoint.sh"), *openai["args"]], env=openai_env,
+                                 stdout=(tmp_path / "openai.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(f"http://127.0.0.1:{ports.openai}{openai['readinessProbe']['httpGet']['path']}", front,
+                         "the openai container", 60)
+            models_list = requests.get(f"http://127.0.0.1:{ports.openai}/v1/models", timeout=10).json()
+            assert models_list["data"][0]["id"] == environment(objects, openai)["OPENAI_MODEL_NAME"]
+        finally:
+            os.killpg(front.pid, signal.SIGTERM)
+            front.wait(timeout=30)
+        rss = pod_memory(proc.pid)
+        (CACHE_DIR / "k8s.json").write_text(json.dumps({"rss_mib": rss / 2**20}, indent=2))
+        requested = quantity(pods["triton"]["resources"]["requests"]["memory"])
+        assert rss < requested, f"the triton container uses {rss / 2**20:.0f} MiB; it requests {requested / 2**20:.0f} MiB"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def pod_memory(pid: int) -> int:
+    """Resident bytes of tritonserver, its stubs and the watchdog: what the triton container holds."""
+    group = [p for p in psutil.process_iter(["pid"]) if _group(p.pid) == os.getpgid(pid)]
+    return sum(p.memory_info().rss for p in group)
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def quantity(value: str) -> int:
+    """A Kubernetes memory quantity in bytes (Mi, Gi)."""
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", value).groups()
+    return int(number) * {"Mi": 2**20, "Gi": 2**30}[unit]
