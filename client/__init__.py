@@ -2,7 +2,8 @@
 
 One response: KServe ``infer`` on ``ensemble_infer`` (Triton refuses ``infer`` on the decoupled
 ``ensemble``). Streaming: ``generate_stream`` (server-sent events) over HTTP, the bidirectional stream
-over gRPC, both on ``ensemble`` with ``stream: true``.
+over gRPC, both on ``ensemble`` with ``stream: true``. Its tensors come from ``contract/schema.py``.
+``client.admin`` swaps the tokenizer through Triton's repository API.
 """
 
 from __future__ import annotations
