@@ -13,7 +13,7 @@ import pytest
 from launcher.triton import REPO_ROOT
 
 LAYERS = [
-    {"contract"},  # the text<->ids contract and the request schema: no Triton, no torch
+    {"contract"},  # the text<->ids contract and the request schema: no Triton
     {"preprocess", "llm", "postprocess"},  # the work, each usable without a server
     {"triton_glue", "client"},  # inside Triton's stubs / talking to Triton over the wire
     {"ensemble_repo"},  # what Triton loads: re-exports of triton_glue
@@ -62,3 +62,11 @@ def test_each_package_says_what_it_is_for():
     for package in set(LAYER) - {"ensemble_repo"}:
         doc = ast.get_docstring(ast.parse((REPO_ROOT / package / "__init__.py").read_text()))
         assert doc and len(doc) > 40, package
+
+
+def test_only_the_triton_layer_imports_the_python_backend():
+    """Anything importing triton_python_backend_utils is Triton-stub code: it lives in triton_glue (and the
+    benchmark's own baseline model, which Triton loads from bench's repository)."""
+    importing = {str(path.relative_to(REPO_ROOT)) for package in LAYER for path in (REPO_ROOT / package).rglob("*.py")
+                 if "triton_python_backend_utils" in path.read_text()}
+    assert importing and all(p.startswith("triton_glue/") or p == "bench/static_model.py" for p in importing), importing
