@@ -23,12 +23,17 @@ from launcher.watchdog import Watchdog, healthy, python_models
 log = logging.getLogger("launcher")
 
 
-def model_dir() -> Path:
-    configured = os.environ.get("MODEL_DIR")
-    path = Path(configured).resolve() if configured else prepare_default_model()
+def checked(path: Path) -> Path:
+    """``path``, once it is a complete model folder (raises RuntimeError naming what is missing); logs what
+    it lacks that requests can do without."""
     for warning in check_model_dir(path):
         log.warning(warning)
     return path
+
+
+def model_dir() -> Path:
+    configured = os.environ.get("MODEL_DIR")
+    return checked(Path(configured).resolve() if configured else prepare_default_model())
 
 
 def start_server(log_path: Path | None) -> TritonServer:
@@ -136,8 +141,7 @@ def check_model(seed: bool) -> int:
     if seed and seed_model_dir(path):
         log.info("copied the default model into %s", path)
     try:
-        for warning in check_model_dir(path):
-            log.warning(warning)
+        checked(path)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -48,7 +48,7 @@ PYTHON_BACKEND_THREADS = 512
 # Without a GPU: no pinned or CUDA memory pools and no GPU metrics, which only log warnings there. Two
 # error lines remain that no flag silences, both harmless on a CPU (docs/operations.md).
 CPU_ONLY_FLAGS = ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false"]
-UNLOADED_GRACE = 3.0  # seconds Triton gets to exit on its own once no stub is left (TritonServer.stop)
+SETTLED_GRACE = 3.0  # seconds a stopping process gets to exit on its own once it is settled (stop_group)
 
 
 def repository_variant(target: Path, edit_llm_config: Callable[[str], str], llm_model: Path | None = None) -> Path:
@@ -123,16 +123,22 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def stop_group(process: subprocess.Popen | None, timeout: float) -> None:
-    """SIGTERM a process started with ``start_new_session`` and its children, SIGKILL past ``timeout``."""
+def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callable[[], bool] | None = None) -> bool:
+    """SIGTERM a process started with ``start_new_session`` and its children, SIGKILL past ``timeout``, or
+    sooner once ``settled()`` (it has nothing left to finish) has held for ``SETTLED_GRACE`` seconds
+    without the process exiting. True when it was ended for that."""
     if not process or process.poll() is not None:
-        return
+        return False
     os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
+    deadline, settled_at, early = time.monotonic() + timeout, None, False
+    while process.poll() is None and time.monotonic() < deadline and not early:
+        settled_at = (settled_at or time.monotonic()) if settled and settled() else None
+        early = settled_at is not None and time.monotonic() - settled_at > SETTLED_GRACE
+        time.sleep(0.2)
+    if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    process.wait()
+    return early
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None, name: str, timeout: float, hint: str = "") -> None:
@@ -290,23 +296,10 @@ class TritonServer:
         """
         if self.watchdog:
             self.watchdog.stop()
-        if not self.process or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        deadline, unloaded_at = time.monotonic() + timeout, None
-        while self.process.poll() is None and time.monotonic() < deadline:
-            if stubs.stubs(self.process.pid):
-                unloaded_at = None
-            elif unloaded_at is None:
-                unloaded_at = time.monotonic()
-            elif time.monotonic() - unloaded_at > UNLOADED_GRACE:
-                log.info("every model is unloaded; ending tritonserver (Triton 2.51 would wait out its exit "
-                         "timeout for a model whose load failed)")
-                break
-            time.sleep(0.2)
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        pid = self.process.pid if self.process else None
+        if stop_group(self.process, timeout, settled=lambda: not stubs.stubs(pid)):
+            log.info("every model is unloaded; ended tritonserver (Triton 2.51 would wait out its exit timeout "
+                     "for a model whose load failed)")
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -3,6 +3,7 @@ and a running server. No cluster here: what needs one is listed in docs/scaling.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -33,6 +34,7 @@ CRD_SCHEMAS = {
 }
 
 
+@functools.cache  # one kubectl run per overlay; the tests only read what it renders
 def render(overlay: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
