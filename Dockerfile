@@ -29,8 +29,13 @@ ENV PYTHONPATH=/opt/chat \
     CHAT_CACHE_DIR=/opt/chat/cache \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
-    MODEL_DIR=/opt/chat/cache/models/SmolLM2-135M-Instruct
+    MODEL_DIR=/opt/chat/cache/models/SmolLM2-135M-Instruct \
+    TORCHINDUCTOR_CACHE_DIR=/opt/chat/cache/compile/inductor \
+    TRITON_CACHE_DIR=/opt/chat/cache/compile/triton
+# /opt/chat/cache/compile: llm's compiled forward pass (inductor's code, Triton's GPU kernels); compose
+# and Kubernetes keep it in a volume, so a restart loads it instead of compiling again.
 RUN python3 -m launcher prepare \
+ && mkdir -p /opt/chat/cache/compile \
  && (id -u triton-server >/dev/null 2>&1 || useradd --create-home --uid 1000 triton-server) \
  && chown -R triton-server /opt/chat/cache
 

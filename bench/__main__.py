@@ -37,7 +37,7 @@ from bench import guidellm, load, peers, perf_analyzer, report, roofline, worklo
 from bench.static_llm import StaticGenerator
 from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
-from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, free_port, has_gpu, repository_variant
+from launcher.triton import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY, Ports, TritonServer, free_port, has_gpu, repository_variant
 from llm import LLM, LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config_name = "" if gpu else "cpu"
     tool_notes: list[dict] = []
-    cache = CACHE_DIR / "torchinductor"
+    cache = COMPILE_CACHE / "inductor"
     cache_warm = cache.exists() and any(cache.iterdir())
     server, startup = start(MODEL_REPOSITORY, model_dir, out, "ensemble", config_name)
     try:

@@ -61,16 +61,24 @@ async def closed_loop(send: Send, items: list[Item], concurrency: int) -> Run:
     return run
 
 
-def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble") -> Send:
+def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble",
+                first_token_within: float | None = None) -> Send:
     """``generate_stream`` with ``stream: true``: the first event carries the first token's text (a
-    server that cannot stream sends one event at the end, so its TTFT is its latency)."""
+    server that cannot stream sends one event at the end, so its TTFT is its latency). With
+    ``first_token_within``, a first event later than that many seconds raises ``TimeoutError``."""
 
     async def send(item: Item) -> tuple[int, float]:
         body = {"text_input": item.text_input, "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos,
                 "stream": True}
         begin, first, tokens = time.perf_counter(), None, 0
         async with session.post(f"{url}/v2/models/{model}/generate_stream", json=body) as reply:
-            async for line in reply.content:
+            lines = aiter(reply.content)
+            while True:
+                wait = None if first or first_token_within is None else first_token_within - (time.perf_counter() - begin)
+                try:
+                    line = await asyncio.wait_for(anext(lines), wait)
+                except StopAsyncIteration:
+                    break
                 if not line.startswith(b"data: "):
                     continue
                 data = json.loads(line[6:])

@@ -32,6 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "ensemble_repo"
 CACHE_DIR = Path(os.environ.get("CHAT_CACHE_DIR", REPO_ROOT / ".cache"))
 TRITON_HOME = CACHE_DIR / "tritonserver"
+# llm's compiled forward pass: inductor's code and Triton's GPU kernels, compiled by the first start and
+# loaded by every later one. The image keeps the same folder (/opt/chat/cache/compile) in a volume.
+COMPILE_CACHE = CACHE_DIR / "compile"
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +117,8 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # llm's compiled forward pass (torch.compile): compiled once, reloaded by every later start.
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "torchinductor"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(COMPILE_CACHE / "triton"))
     env.update(extra or {})
     env.pop("ADMIN_KEY", None)  # it reaches tritonserver as an argument; the models have no use for it
     if "MODEL_DIR" in env:  # contract/paths.py: models and tokenizers load only from inside MODEL_ROOTS

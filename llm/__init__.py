@@ -16,10 +16,12 @@ from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 from llm.engine import Engine
 from llm.kv import BLOCK_SIZE, BlockTable, cache_slots
 from llm.model import Decoder
+from llm.compiles import Progress
 from llm.runner import ModelRunner
 from llm.sampling import SamplingParams
 from llm.scheduler import Scheduler
 from llm.sequence import GenerationRequest, Metrics
+from llm.shapes import Shapes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SEED_LIMIT = 2**63 - 1
@@ -137,15 +139,25 @@ class LLM:
         self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
 
-    def engine(self, metrics: Metrics | None = None) -> Engine:
-        """A fresh engine (empty cache table) on this model's weights and cache; one runs at a time."""
+    def engine(self, metrics: Metrics | None = None, progress: Progress | None = None,
+               pad: bool | None = None) -> Engine:
+        """A fresh engine (empty cache table) on this model's weights and cache; one runs at a time.
+        Compiled, it is ready when this returns: every shape it will run has run (``llm/runner.py``).
+        ``pad`` forces the GPU's padding rules on or off (``llm/shapes.py``); by default they follow the
+        device. ``progress`` logs the start-up as it goes."""
         c, metrics = self.config, metrics or Metrics()
         table = BlockTable(c.kv_cache_tokens, c.max_running_requests, self.room, self.device)
         scheduler = Scheduler(
             table, max_running=c.max_running_requests, max_batched_tokens=c.max_batched_tokens,
             max_queued_requests=c.max_queued_requests, max_queue_seconds=c.max_queue_seconds, metrics=metrics,
         )
-        runner = ModelRunner(self.decoder, table, self.device, c.compile)
+        pad = self.device.type == "cuda" if pad is None else pad
+        shapes = Shapes.plan(pad, c.max_running_requests, table.slots.shape[1], c.max_batched_tokens)
+        if progress is not None and c.compile:
+            progress.phase(f"compiling and running {len(shapes.warm_up())} step shapes"
+                           f"{', capturing the decode shapes as CUDA graphs' if self.device.type == 'cuda' else ''}")
+        runner = ModelRunner(self.decoder, table, self.device, c.compile, shapes,
+                             progress.status if progress is not None else lambda text: None)
         return Engine(runner, scheduler, self.eos_ids, self.decode, metrics)
 
     def decode(self, ids: list[int]) -> str:

@@ -8,8 +8,9 @@ which on a 135M model costs more than the arithmetic. Here, as in vLLM and nano-
   so the weight GEMMs see every token of the step at once and nothing is padded;
 - keys and values go straight into a paged cache allocated once (``slots`` per layer, see ``llm/kv.py``),
   written in place at each token's slot;
-- the decode rows' attention gathers each row's slots inside the compiled graph; prompt chunks attend
-  in ``prefill_attention``, an opaque op, since their shapes vary too much to compile well.
+- a decode step (one token per row) is one compiled graph, attention included, so on GPUs it replays as
+  one CUDA graph; in a mixed step (decode rows and prompt chunks) attention is ``mixed_attention``, an
+  opaque op, so that only the step's token count shapes the compiled graph (``llm/shapes.py``).
 
 transformers still loads the weights and config, and computes the rotary tables for every RoPE variant.
 """
@@ -27,8 +28,8 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # Llama-shaped decoders: RMS
 
 @dataclass
 class PrefillChunk:
-    """Prompt tokens ``[first, first + count)`` of the step's prompt part, at positions ``[start, start +
-    count)`` of one sequence whose cache slots (from position 0) are ``slots``."""
+    """Prompt tokens ``[first, first + count)`` of a mixed step, at positions ``[start, start + count)`` of
+    one sequence whose cache slots (from position 0) are ``slots``."""
 
     first: int
     count: int
@@ -37,34 +38,42 @@ class PrefillChunk:
 
 
 @dataclass
-class Chunks:
-    """The step's prompt chunks, read by ``prefill_attention`` (kept out of the compiled graph's inputs)."""
+class MixedStep:
+    """What ``mixed_attention`` reads (kept out of the compiled graph's inputs, whose shapes it would
+    multiply): the first ``len(decode_slots)`` tokens are decode rows over ``decode_slots`` up to
+    ``decode_lengths``; then the prompt chunks."""
 
-    items: list[PrefillChunk] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None
+    decode_lengths: torch.Tensor | None = None
+    chunks: list[PrefillChunk] = field(default_factory=list)
 
 
-CHUNKS = Chunks()
+MIXED = MixedStep()
 
 
 # The two steps the compiled graph calls out to, as operators of our own. Registered with torch.library's
 # plain API: a call costs ~10 us of dispatch against ~25 us for torch.library.custom_op, and a step makes
 # four per layer.
 _LIBRARY = torch.library.Library("triton_chat", "DEF")
-_LIBRARY.define("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache) -> Tensor")
+_LIBRARY.define("mixed_attention(Tensor q, Tensor k_cache, Tensor v_cache) -> Tensor")
 _LIBRARY.define("packed_linear(Tensor x, int index, int out_features, Tensor? bias) -> Tensor")
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Causal attention of each prompt chunk in ``CHUNKS`` over its sequence's cached keys and values.
+def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Attention of a mixed step as ``MIXED`` describes it: the decode rows over their contexts, then each
+    prompt chunk, causally, over its sequence's cached keys and values.
 
-    ``q`` is ``[tokens, heads, head_dim]`` for the prompt tokens only; keys and values are already in the
-    cache. The query heads that share a KV head are laid out as extra query rows (``[kv_heads, count x
-    group, head_dim]``), which PyTorch's CPU kernels run 4-5x faster than ``enable_gqa``.
+    ``q`` is ``[tokens, heads, head_dim]``; keys and values are already in the cache. In a chunk, the query
+    heads that share a KV head are laid out as extra query rows (``[kv_heads, count x group, head_dim]``),
+    which PyTorch's CPU kernels run 4-5x faster than ``enable_gqa``.
     """
     out = torch.zeros_like(q)  # padding tokens get zeros: finite, whatever they feed
     heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
     group = heads // kv_heads
-    for c in CHUNKS.items:
+    if MIXED.decode_slots is not None:
+        rows = MIXED.decode_slots.shape[0]
+        out[:rows] = decode_attention(q[:rows], k_cache, v_cache, MIXED.decode_slots, MIXED.decode_lengths, dim**-0.5)
+    for c in MIXED.chunks:
         rows = slice(c.first, c.first + c.count)
         keys = k_cache.index_select(1, c.slots).unsqueeze(0)  # [1, kv_heads, context, dim]
         values = v_cache.index_select(1, c.slots).unsqueeze(0)
@@ -86,9 +95,9 @@ def packed_linear(x: torch.Tensor, index: int, out_features: int, bias: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[index], bias, "none", [], "")
 
 
-_LIBRARY.impl("prefill_attention", prefill_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("mixed_attention", mixed_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("packed_linear", packed_linear, "CPU")
-torch.library.register_fake("triton_chat::prefill_attention", lambda q, k_cache, v_cache: torch.empty_like(q), lib=_LIBRARY)
+torch.library.register_fake("triton_chat::mixed_attention", lambda q, k_cache, v_cache: torch.empty_like(q), lib=_LIBRARY)
 torch.library.register_fake("triton_chat::packed_linear",
                             lambda x, index, out_features, bias: x.new_empty(x.shape[0], out_features), lib=_LIBRARY)
 
@@ -167,24 +176,26 @@ class Decoder(torch.nn.Module):
         self.kv_bytes_per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * dtype.itemsize
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               decode_slots: torch.Tensor, decode_lengths: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """A step of decode rows only: one token each (the steady state, compiled on its own)."""
-        return self._forward(input_ids, positions, slots, decode_slots, decode_lengths, logit_rows, prefill=False)
+               decode_slots: torch.Tensor, decode_lengths: torch.Tensor) -> torch.Tensor:
+        """A step of decode rows only, one token each: float32 logits for every row. Every row attends
+        over ``decode_lengths`` of its ``decode_slots`` (``[rows, columns]``) inside the graph."""
+        scale = self.head_dim**-0.5
+
+        def attention(q, k_cache, v_cache):
+            return decode_attention(q, k_cache, v_cache, decode_slots, decode_lengths, scale)
+
+        return self._forward(input_ids, positions, slots, None, attention)
 
     def mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              decode_slots: torch.Tensor, decode_lengths: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """A step of decode rows followed by the prompt chunks described by ``CHUNKS``."""
-        return self._forward(input_ids, positions, slots, decode_slots, decode_lengths, logit_rows, prefill=True)
+              logit_rows: torch.Tensor) -> torch.Tensor:
+        """A step of decode rows and prompt chunks as ``MIXED`` describes them: float32 logits for the
+        tokens ``logit_rows``."""
+        return self._forward(input_ids, positions, slots, logit_rows, torch.ops.triton_chat.mixed_attention)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 decode_slots: torch.Tensor, decode_lengths: torch.Tensor, logit_rows: torch.Tensor,
-                 prefill: bool) -> torch.Tensor:
-        """Float32 logits for the tokens ``logit_rows`` of the flat batch of ``input_ids``.
-
-        The first ``len(decode_slots)`` tokens are decode rows; the rest, when ``prefill``, are prompt
-        chunks. Every token's key and value are written at its slot in ``slots`` before attention.
-        """
-        rows = decode_slots.shape[0]
+                 logit_rows: torch.Tensor | None, attention) -> torch.Tensor:
+        """Every token's key and value are written at its slot in ``slots`` before ``attention`` reads the
+        cache."""
         h = self.embed[input_ids]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -192,12 +203,11 @@ class Decoder(torch.nn.Module):
             q, k, v = layer.qkv(F.rms_norm(h, h.shape[-1:], layer.input_norm, self.eps), cos, sin)
             k_cache.index_copy_(1, slots, k.transpose(0, 1))
             v_cache.index_copy_(1, slots, v.transpose(0, 1))
-            attended = decode_attention(q[:rows], k_cache, v_cache, decode_slots, decode_lengths, self.head_dim**-0.5)
-            if prefill:
-                attended = torch.cat([attended, torch.ops.triton_chat.prefill_attention(q[rows:], k_cache, v_cache)])
-            h = h + layer.o_proj(attended.flatten(1))
+            h = h + layer.o_proj(attention(q, k_cache, v_cache).flatten(1))
             h = h + layer.mlp(F.rms_norm(h, h.shape[-1:], layer.post_norm, self.eps))
-        h = F.rms_norm(h[logit_rows].float(), h.shape[-1:], self.norm.float(), self.eps)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        h = F.rms_norm(h.float(), h.shape[-1:], self.norm.float(), self.eps)
         return self.lm_head(h)
 
 

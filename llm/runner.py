@@ -1,39 +1,43 @@
-"""A ``Step`` as tensors, run through the decoder: compiled, and on GPUs replayed as CUDA graphs.
+"""A ``Step`` as tensors, run through the decoder: compiled at load, and on GPUs replayed as CUDA graphs.
 
 A 135M model's step is a few milliseconds of arithmetic, so Python and per-op dispatch would dominate it.
 ``torch.compile`` (inductor) fuses each layer's small ops into a few C++ or Triton kernels. Two graphs
-cover every step: decode rows only, and decode rows plus prompt chunks. Their sizes are dynamic (no
-recompile when the batch changes), and each is padded to at least ``MIN_SIZE`` rows and tokens, since the
-compiler would otherwise specialise sizes 0 and 1 into graphs of their own. Compiled code is cached on
-disk (``TORCHINDUCTOR_CACHE_DIR``, ``.cache/torchinductor`` with the launcher), so a restart reloads it.
+cover every step, decode rows only and mixed (decode rows and prompt chunks); their sizes are dynamic,
+so each compiles once. Compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR`` and Triton's
+``TRITON_CACHE_DIR``, under ``.cache/compile`` with the launcher), so a restart loads instead of compiling.
 
-On CUDA, decode steps are padded further, to power-of-two rows and columns, and run in
-``reduce-overhead`` mode, which records a CUDA graph per shape and replays it: one launch per step.
+Nothing is compiled or recorded once the engine is built. Every step's sizes become a ``Shape``
+(``llm/shapes.py``). On GPUs shapes are padded to a fixed set of buckets, all of which run at load: each
+decode shape is then captured as a CUDA graph (one launch per step, as vLLM and nano-vllm capture
+theirs), and each mixed shape has run once, so whatever the compiler or the GPU does on a shape's first
+run (kernel specialisation, autotuning) is done before the first request.
 """
 
 from __future__ import annotations
 
 import locale
+from typing import Callable
 
 import torch
 
 from llm import model
 from llm.kv import BlockTable
 from llm.scheduler import Step
-
-MIN_SIZE = 2
-
-
-def _bucket(n: int) -> int:
-    return max(MIN_SIZE, 1 << (n - 1).bit_length())
+from llm.shapes import Shape, Shapes
 
 
 class ModelRunner:
-    def __init__(self, decoder: model.Decoder, table: BlockTable, device: torch.device, compile: bool) -> None:
+    def __init__(self, decoder: model.Decoder, table: BlockTable, device: torch.device, compile: bool,
+                 shapes: Shapes, progress: Callable[[str], None] = lambda text: None) -> None:
+        """``shapes`` says how steps are padded (``Shapes.plan``); ``progress`` hears what the warm-up is
+        doing, shape by shape (``llm.compiles.Progress.status``)."""
         self.decoder = decoder
         self.table = table
         self.device = device
-        self.cuda_graphs = compile and device.type == "cuda"
+        self.shapes = shapes
+        self.warmed: frozenset[Shape] = frozenset()  # the shapes run at load
+        self.last_shape: Shape | None = None  # the latest step's, for tests and logs
+        self._graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = {}
         self._decode, self._mixed = decoder.decode, decoder.mixed
         if compile:
             # Inductor reads its code templates in the locale's encoding, and a Python backend stub runs in
@@ -41,66 +45,122 @@ class ModelRunner:
             if locale.getpreferredencoding(False).lower() not in ("utf-8", "utf8"):
                 locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
             # Each dynamic size its own symbol: by default sizes equal when first compiled are assumed
-            # equal for good, and the warm-up's 2 rows, 2 columns and 2 prompt tokens are all equal.
+            # equal for good (rows and columns, say).
             torch.fx.experimental._config.use_duck_shape = False
-            self._decode = torch.compile(decoder.decode, mode="reduce-overhead" if self.cuda_graphs else None)
-            self._mixed = torch.compile(decoder.mixed)
-            self.warm_up()
+            self._decode, self._mixed = torch.compile(decoder.decode), torch.compile(decoder.mixed)
+            self.warm_up(progress)
+
+    @property
+    def cuda_graphs(self) -> int:
+        return len(self._graphs)
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Compile both graphs now (or load them from the cache) rather than during a request."""
-        scratch = Step()
-        for prefill in (False, True):
-            self._run(scratch, prefill_tokens=MIN_SIZE if prefill else 0, mark_dynamic=True)
+    def warm_up(self, progress: Callable[[str], None]) -> None:
+        """Run every shape of ``shapes.warm_up()`` on scratch inputs: the first of each kind compiles its
+        graph (or loads it from the cache); on CUDA each decode shape is then captured as a CUDA graph."""
+        plan = self.shapes.warm_up()
+        capture = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        compiled = set()
+        for i, shape in enumerate(plan, 1):
+            args = self._scratch(shape)
+            if shape.kind not in compiled:
+                progress(f"compiling the {shape.kind} step ({shape.tokens} tokens{self._columns(shape)}; "
+                         f"shape {i} of {len(plan)})")
+                for tensor in args:  # the cache buffers keep their size: another kv_cache_tokens compiles anew
+                    torch._dynamo.mark_dynamic(tensor, 0)
+                if shape.kind == "decode":
+                    torch._dynamo.mark_dynamic(args[3], 1)
+                compiled.add(shape.kind)
+            else:
+                progress(f"{'capturing' if capture and shape.kind == 'decode' else 'running'} {shape.kind} shape "
+                         f"{i} of {len(plan)} ({shape.tokens} tokens{self._columns(shape)})")
+            self._call(shape, args)
+            if capture and shape.kind == "decode":
+                self._capture(shape, args, pool)
+        if capture:
+            torch.cuda.synchronize(self.device)
+        self.warmed = frozenset(plan)
 
     @torch.inference_mode()
     def run(self, step: Step) -> torch.Tensor:
-        """Float32 logits, one row for each of ``step.sampled``."""
-        return self._run(step)
+        """Float32 logits, one row for each of ``step.sampled``. On CUDA they may live in a CUDA graph's
+        output, which the next step overwrites: use them before then."""
+        shape, args, sampled = self._decode_inputs(step) if not step.prefill else self._mixed_inputs(step)
+        self.last_shape = shape
+        graph = self._graphs.get(shape)
+        if graph is None:
+            return self._call(shape, args)[:sampled]
+        graph, inputs, logits = graph
+        for static, value in zip(inputs, args):
+            static.copy_(value)
+        graph.replay()
+        return logits[:sampled]
 
-    def _run(self, step: Step, prefill_tokens: int = 0, mark_dynamic: bool = False) -> torch.Tensor:
+    def _call(self, shape: Shape, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return (self._decode if shape.kind == "decode" else self._mixed)(*args)
+
+    def _capture(self, shape: Shape, args: tuple[torch.Tensor, ...], pool) -> None:
+        """A CUDA graph of the compiled decode step on inputs of its own; ``run`` copies each step's
+        inputs into them and replays it. The shape has just run once outside the graph, so the compiler
+        has nothing left to do for it."""
+        inputs = tuple(a.clone() for a in args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._decode(*inputs)
+        self._graphs[shape] = (graph, inputs, logits)
+
+    def _decode_inputs(self, step: Step) -> tuple[Shape, tuple[torch.Tensor, ...], int]:
+        seqs = step.decode
+        shape = self.shapes.decode(len(seqs), max(s.cached for s in seqs) + 1)
+        pad = [0] * (shape.tokens - len(seqs))  # padding rows: row 0, position 0, the scratch slot
+        rows = torch.tensor([s.row for s in seqs] + pad, device=self.device)
+        positions = torch.tensor([s.cached for s in seqs] + pad, device=self.device)
+        ids = torch.tensor([s.token_at(s.cached) for s in seqs] + pad, device=self.device)
+        slots = self.table.slots
+        args = (ids, positions, slots[rows, positions], slots[rows, :shape.columns], positions + 1)
+        return shape, args, len(seqs)
+
+    def _mixed_inputs(self, step: Step) -> tuple[Shape, tuple[torch.Tensor, ...], int]:
+        """Decode rows first, then each prompt chunk; their attention is described in ``model.MIXED``."""
+        slots = self.table.slots
         rows = [s.row for s in step.decode]
         positions = [s.cached for s in step.decode]
         ids = [s.token_at(s.cached) for s in step.decode]
-        padded = self._rows(len(rows), bool(step.prefill or prefill_tokens))
-        pad = padded - len(rows)
-        rows, positions, ids = rows + [0] * pad, positions + [0] * pad, ids + [0] * pad
-        logit_rows = list(range(len(step.decode)))
-        model.CHUNKS.items = []
+        logit_rows = list(range(len(rows)))
+        mixed = model.MixedStep()
+        if rows:
+            columns = max(positions) + 1
+            mixed.decode_slots = slots[torch.tensor(rows, device=self.device), :columns]
+            mixed.decode_lengths = torch.tensor(positions, device=self.device) + 1
         for seq, count in step.prefill:
-            first = len(ids) - padded
+            mixed.chunks.append(model.PrefillChunk(len(ids), count, seq.cached, slots[seq.row, : seq.cached + count]))
             rows += [seq.row] * count
             positions += range(seq.cached, seq.cached + count)
             ids += seq.request.input_ids[seq.cached:seq.cached + count]
-            model.CHUNKS.items.append(model.PrefillChunk(first, count, seq.cached,
-                                                         self.table.slots[seq.row, : seq.cached + count]))
             if count == seq.prompt_left:
                 logit_rows.append(len(ids) - 1)
-        prefill = bool(step.prefill or prefill_tokens)
-        if prefill:  # scratch tokens up to MIN_SIZE: row 0, position 0, slot 0, no chunk reads them
-            scratch = max(prefill_tokens, MIN_SIZE) - (len(ids) - padded)
-            rows, positions, ids = rows + [0] * scratch, positions + [0] * scratch, ids + [0] * scratch
+        model.MIXED = mixed
+        shape = self.shapes.mixed(len(ids), len(logit_rows))
         sampled = len(logit_rows)
-        logit_rows += [0] * (MIN_SIZE - sampled)
+        pad = [0] * (shape.tokens - len(ids))  # scratch tokens: row 0, position 0, slot 0; no chunk reads them
+        rows_t = torch.tensor(rows + pad, device=self.device)
+        positions_t = torch.tensor(positions + pad, device=self.device)
+        args = (torch.tensor(ids + pad, device=self.device), positions_t, slots[rows_t, positions_t],
+                torch.tensor(logit_rows + [0] * (shape.logits - sampled), device=self.device))
+        return shape, args, sampled
 
-        device = self.device
-        rows_t = torch.tensor(rows, device=device)
-        positions_t = torch.tensor(positions, device=device)
-        decode_lengths = positions_t[:padded] + 1
-        columns = max(positions[:padded]) + 1
-        columns = _bucket(columns) if self.cuda_graphs and not prefill else max(columns, MIN_SIZE)
-        args = (
-            torch.tensor(ids, device=device), positions_t, self.table.slots[rows_t, positions_t],
-            self.table.slots[rows_t[:padded], :columns], decode_lengths, torch.tensor(logit_rows, device=device),
-        )
-        if mark_dynamic:  # the cache buffers keep their size: another kv_cache_tokens compiles anew
-            for tensor in args:
-                torch._dynamo.mark_dynamic(tensor, 0)
-            torch._dynamo.mark_dynamic(args[3], 1)
-        logits = (self._mixed if prefill else self._decode)(*args)
-        return logits[:sampled]
+    def _scratch(self, shape: Shape) -> tuple[torch.Tensor, ...]:
+        """Inputs of ``shape`` that read and write only the scratch slot 0 (distinct tensors: the compiler
+        would otherwise assume the inputs alias one another)."""
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.long, device=self.device)
 
-    def _rows(self, count: int, prefill: bool) -> int:
-        """Decode rows as run: at least MIN_SIZE, and a power of two for CUDA graphs."""
-        return _bucket(count) if self.cuda_graphs and not prefill else max(count, MIN_SIZE)
+        if shape.kind == "mixed":
+            model.MIXED = model.MixedStep()
+            return zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens), zeros(shape.logits)
+        return zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens, shape.columns), zeros(shape.tokens) + 1
+
+    @staticmethod
+    def _columns(shape: Shape) -> str:
+        return f" x {shape.columns} columns" if shape.kind == "decode" else ""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -115,3 +117,36 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table
     for plot in ("fixed.png", "variable.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def gpu_check(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    result = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--out", str(tmp_path / "check.json"),
+                             *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "GPU_CHECK_BUDGET_S": "400"})
+    return result, json.loads((tmp_path / "check.json").read_text())
+
+
+def test_gpu_check_rehearsed_on_the_cpu_runs_every_phase_and_finds_no_compile_after_ready(tmp_path, model_dir):
+    """make gpu-check's own logic, on the CPU (``--rehearse``): the start-up lines echoed, every phase
+    printed with its time, llm's compilation counter read at ready and after traffic, the engine alone
+    against Hugging Face generate."""
+    result, report = gpu_check(tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    for phase in ("start", "one request", "4 at once", "c=1", "c=4", "no compile under traffic", "engine tiny"):
+        assert re.search(rf"^\[ *\d+\.\d s\] phase '{phase}'", out, re.M), phase
+    assert re.search(r"llm: start-up [\d.]+ s: ready: \d+ compilations", out)
+    assert report["compilations_at_ready"] >= 2 and report["compilations_after_traffic"] == 0
+    assert [p["phase"] for p in report["points"]] == ["one request", "4 at once", "c=1", "c=4"]
+    assert all(p["exact_tokens"] for p in report["points"]) and report["failures"] == []
+    engine = report["engine"]["tiny"]["points"]
+    assert [p["concurrency"] for p in engine] == [1, 4]
+    assert all(p["compilations_after_build"] == 0 and p["engine_tok_s"] > 0 and p["hf_generate_tok_s"] > 0 for p in engine)
+
+
+def test_gpu_check_fails_naming_the_phase_when_a_first_token_is_late(tmp_path, model_dir):
+    result, report = gpu_check(tmp_path, "--first-token-limit", "0.001")
+    assert result.returncode == 1
+    assert report["failures"] == ["phase 'one request': a request's first token took more than 0.001 s after ready "
+                                  "(the server log says what llm was doing)"]
+    assert "FAIL: phase 'one request'" in result.stdout and report["engine"] == {}

@@ -20,7 +20,7 @@ import requests
 import yaml
 
 from launcher.model import DEFAULT_MODEL_DIR
-from launcher.triton import (CACHE_DIR, MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env,
+from launcher.triton import (CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env,
                              wait_healthy)
 
 K8S = REPO_ROOT / "deploy" / "kubernetes"
@@ -174,7 +174,7 @@ def test_the_startup_budget_covers_the_measured_cold_start(rendered):
 
 
 def test_every_environment_variable_the_pod_sets_is_read_by_the_repository(rendered):
-    external = {"HOME", "TORCHINDUCTOR_CACHE_DIR"}  # read by the shell and by torch
+    external = {"HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}  # read by the shell, torch and Triton
     sources = "\n".join(p.read_text() for p in [*REPO_ROOT.glob("*/*.py"), *MODEL_REPOSITORY.rglob("*.pbtxt"),
                                                 REPO_ROOT / "docker" / "entrypoint.sh"])
     for container in containers(rendered).values():
@@ -198,11 +198,17 @@ def test_volumes_match_compose_and_the_drain(rendered):
     pod = one(rendered, "Deployment")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": compose["shm_size"].replace("gb", "Gi")}
-    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == one(rendered, "PersistentVolumeClaim")["metadata"]["name"]
+    claims = {o["metadata"]["name"] for o in rendered if o["kind"] == "PersistentVolumeClaim"}
+    assert {volumes[name]["persistentVolumeClaim"]["claimName"] for name in ("models", "compile-cache")} == claims
     env = environment(rendered, containers(rendered)["triton"])
     mounts = {m["name"]: m["mountPath"] for m in containers(rendered)["triton"]["volumeMounts"]}
     assert mounts["models"] == env["MODEL_ROOTS"] and Path(env["MODEL_DIR"]).is_relative_to(mounts["models"])
-    assert mounts["dshm"] == "/dev/shm" and Path(env["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(mounts["tmp"])
+    assert mounts["dshm"] == "/dev/shm"
+    # The compile cache: where the image puts it, on the volume compose keeps, for torch and Triton both.
+    image_env = dict(re.findall(r"\b(TORCHINDUCTOR_CACHE_DIR|TRITON_CACHE_DIR)=(\S+)", (REPO_ROOT / "Dockerfile").read_text()))
+    assert f"compile-cache:{mounts['compile-cache']}" in compose["volumes"]
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert env[name] == image_env[name] and Path(env[name]).parent == Path(mounts["compile-cache"]), name
     exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", (REPO_ROOT / "docker" / "entrypoint.sh").read_text()).group(1))
     pause = int(containers(rendered)["triton"]["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pause + exit_timeout
@@ -263,7 +269,8 @@ def test_kserve_runs_this_image_on_the_same_model_volume():
     model = isvc["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
-    assert model["storageUri"] == f"pvc://{one(render('cpu'), 'PersistentVolumeClaim')['metadata']['name']}"
+    assert model["storageUri"] == "pvc://triton-chat-models"
+    assert "triton-chat-models" in {o["metadata"]["name"] for o in render("cpu") if o["kind"] == "PersistentVolumeClaim"}
     container = runtime["spec"]["containers"][0]
     assert container["image"] == containers(render("cpu"))["triton"]["image"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -294,7 +301,8 @@ def test_the_entrypoint_serves_with_the_deployments_environment_and_its_probes_p
 
     def localized(env: dict[str, str]) -> dict[str, str]:
         here = {k: re.sub(r"^/models\b", str(models), re.sub(r"^/tmp\b", str(tmp_path), v)) for k, v in env.items()}
-        return server_env(here) | {"TORCHINDUCTOR_CACHE_DIR": str(CACHE_DIR / "torchinductor")}
+        return server_env(here) | {"TORCHINDUCTOR_CACHE_DIR": str(COMPILE_CACHE / "inductor"),
+                                   "TRITON_CACHE_DIR": str(COMPILE_CACHE / "triton")}
 
     init = pods["model"]
     seeded = subprocess.run(init["command"], env=localized(environment(objects, init)), cwd=tmp_path,

@@ -178,8 +178,21 @@ def test_compose_builds_this_dockerfile_and_mounts_existing_folders(compose):
     service = compose["services"]["triton"]
     assert (REPO_ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
     for volume in service["volumes"]:
-        host = volume.split(":")[0]
-        assert (REPO_ROOT / host).is_dir(), volume
+        source = volume.split(":")[0]
+        if source.startswith("."):  # a bind mount
+            assert (REPO_ROOT / source).is_dir(), volume
+        else:  # a named volume, declared at the top level
+            assert source in compose["volumes"], volume
+
+
+def test_compose_keeps_the_compile_cache_where_the_image_puts_it(compose, dockerfile):
+    """A container that starts again (or a new one) loads llm's compiled forward pass instead of
+    compiling it: the image's TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR lie in compose's named volume."""
+    [target] = [v.split(":")[1] for v in compose["services"]["triton"]["volumes"] if v.startswith("compile-cache:")]
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        path = re.search(rf"\b{name}=(\S+)", dockerfile).group(1)
+        assert Path(path).parent == Path(target), name
+    assert f"mkdir -p {target}" in dockerfile  # so the new volume takes the image's owner, not root's
 
 
 def test_compose_publishes_tritons_ports_and_checks_readiness(compose, dockerfile):

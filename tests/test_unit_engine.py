@@ -1,6 +1,7 @@
 """The in-flight batching engine, sampling and validation, driven in-process with a tiny random Llama.
 
-The engine runs eagerly here (compile=False), except in the test that pins the compiled path to it.
+The engine runs eagerly here (compile=False), except in the tests of the compiled path: its tokens, and
+that nothing compiles once it is built.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from bench.static_llm import StaticGenerator
 from contract.errors import InvalidInput
 from contract.stops import partial_stop_length, visible_text
 from llm import LLM, LLMConfig
+from llm.compiles import COMPILATIONS
 from llm.kv import BLOCK_SIZE, blocks_for
 from llm.sequence import Overloaded, Sequence
+from llm.shapes import Shapes
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
 
@@ -139,6 +142,91 @@ def test_the_compiled_forward_pass_gives_the_eager_tokens(model):
         llm = tiny(model, compile=compiled)
         replies[compiled] = [s.output_ids for s in run(llm.engine(), [Sequence(r) for r in requests], join_after=[0, 2, 5])]
     assert replies[True] == replies[False] == one_by_one(model, llm, requests)
+
+
+def sweep(llm: LLM, engine) -> tuple[list[Sequence], list]:
+    """Traffic that reaches every limit of ``llm``'s config: 1 to max_running_requests rows joining and
+    leaving, prompts from 1 token to the longest allowed, contexts up to the request limit, greedy and
+    sampled rows, logprobs on and off. Returns the sequences and each step's shape as run."""
+    c, room = llm.config, llm.room
+    rng = torch.Generator().manual_seed(3)
+    lengths = [1, 2, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, c.max_batched_tokens + 3, room // 2,
+               room - c.max_tokens_limit, room - 1]
+    seqs = []
+    for i in range(48):
+        prompt = torch.randint(1, 256, (lengths[i % len(lengths)],), generator=rng).tolist()
+        sampled, logprobs = i % 2 == 1, i % 4 < 2
+        seqs.append(Sequence(llm.validate(
+            prompt, min(c.max_tokens_limit, room - len(prompt)) if i % 3 else 1, ignore_eos=True,
+            temperature=0.8 if sampled else None, top_p=0.9 if sampled else None, seed=i if sampled else None,
+            logprobs=logprobs, top_logprobs=2 if logprobs else None,
+        )))
+    burst = [Sequence(llm.validate([7] * (i + 1), c.max_tokens_limit - i, ignore_eos=True)) for i in range(c.max_running_requests)]
+    pending, shapes = burst + seqs, []
+    while pending or engine.has_work:
+        for _ in range(len(burst) if pending and pending[0] is burst[0] else int(torch.randint(0, 4, (1,), generator=rng))):
+            if pending:
+                engine.add(pending.pop(0))
+        engine.step()
+        shapes.append(engine.runner.last_shape)
+    assert all(s.finish_reason == "length" for s in burst + seqs)
+    return seqs, shapes
+
+
+@pytest.fixture(scope="module")
+def sweep_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+SWEEP_CONFIG = {"kv_cache_tokens": 2048, "max_tokens_limit": 64, "max_running_requests": 8, "max_batched_tokens": 32}
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["cpu-rules", "gpu-padding-rules"])
+def test_nothing_compiles_after_the_engine_is_built(sweep_model, pad):
+    """Issue 20: a request never waits on the compiler. The engine compiles at load; a sweep of traffic
+    that reaches every limit then compiles nothing (dynamo's own count), and its greedy replies are the
+    eager engine's."""
+    llm = tiny(sweep_model, compile=True, **SWEEP_CONFIG)
+    engine = llm.engine(pad=pad)
+    built = COMPILATIONS.count
+    seqs, shapes = sweep(llm, engine)
+    assert COMPILATIONS.count == built, f"{COMPILATIONS.count - built} compilations under traffic"
+    eager = tiny(sweep_model, **SWEEP_CONFIG)
+    expected, _ = sweep(eager, eager.engine())
+    greedy = [i for i, s in enumerate(seqs) if s.request.sampling.greedy]
+    assert [seqs[i].output_ids for i in greedy] == [expected[i].output_ids for i in greedy]
+
+
+def test_with_the_gpu_padding_rules_every_step_shape_was_run_at_load(sweep_model):
+    """Issue 20, the CPU proof of the GPU path: with the padding rules a GPU uses, every shape a sweep of
+    traffic produces (rows, context columns, prompt-token bucket) is one the engine ran, and on CUDA
+    captured, while it loaded."""
+    llm = tiny(sweep_model, **SWEEP_CONFIG)
+    engine = llm.engine(pad=True)
+    warmed = set(engine.runner.shapes.warm_up())  # eager: the same plan a compiled engine runs at load
+    _, shapes = sweep(llm, engine)
+    assert set(shapes) <= warmed, f"never run at load: {sorted(set(shapes) - warmed, key=str)}"
+    decode = [s for s in shapes if s.kind == "decode"]
+    # The sweep reached every limit: every row bucket, the longest context, the largest prompt bucket.
+    assert {s.tokens for s in decode} == set(engine.runner.shapes.rows)
+    assert max(s.columns for s in decode) == llm.room
+    assert max(s.tokens for s in shapes if s.kind == "mixed") == llm.config.max_batched_tokens
+
+
+def test_the_buckets_bound_the_shapes_and_cover_every_size():
+    shapes = Shapes.plan(True, max_rows=64, max_columns=8192, max_tokens=256)
+    assert shapes.rows == (2, 4, 8, 16, 32, 64) and shapes.columns == (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert shapes.tokens == (16, 32, 64, 128, 256)
+    assert len(shapes.warm_up()) == 6 * 8 + 5
+    assert {shapes.decode(r, c) for r in range(1, 65) for c in range(1, 8193, 7)} <= set(shapes.warm_up())
+    assert {shapes.mixed(t, min(t, 64)) for t in range(1, 257)} <= set(shapes.warm_up())
+    odd = Shapes.plan(True, max_rows=48, max_columns=100, max_tokens=200)
+    assert (odd.rows[-1], odd.columns, odd.tokens[-1]) == (48, (64, 100), 200)
+    exact = Shapes.plan(False, max_rows=64, max_columns=8192, max_tokens=256)
+    assert exact.decode(3, 77).tokens == 3 and exact.decode(3, 77).columns == 77 and len(exact.warm_up()) == 2
 
 
 def test_each_row_keeps_its_own_max_tokens_and_leaves_at_once(llm):

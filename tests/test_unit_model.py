@@ -24,6 +24,7 @@ FAMILIES = {
 
 
 def scratch_rows(count: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows that read only the scratch slot 0."""
     return torch.zeros(count, 2, dtype=torch.long), torch.ones(count, dtype=torch.long)
 
 
@@ -38,18 +39,17 @@ def test_chunked_prefill_and_decode_give_the_hugging_face_logits(family):
         expected = hf(ids[None]).logits[0]
         got = []
         for start, count in ((0, 6), (6, 4)):  # the prompt in two chunks, each after 2 scratch decode rows
-            M.CHUNKS.items = [M.PrefillChunk(0, count, start, slots[: start + count])]
+            M.MIXED = M.MixedStep(*scratch_rows(), [M.PrefillChunk(2, count, start, slots[: start + count])])
             zeros = torch.zeros(2, dtype=torch.long)
             positions = torch.cat([zeros, torch.arange(start, start + count)])
             logits = decoder.mixed(torch.cat([zeros, ids[start:start + count]]), positions,
-                                   torch.cat([zeros, slots[start:start + count]]), *scratch_rows(),
-                                   torch.arange(2, 2 + count))
+                                   torch.cat([zeros, slots[start:start + count]]), torch.arange(2, 2 + count))
             got.append(logits)
         for p in range(10, 14):  # then one token at a time, beside a scratch row
             logits = decoder.decode(torch.tensor([ids[p], 0]), torch.tensor([p, 0]), torch.tensor([slots[p], 0]),
                                     torch.stack([slots[: p + 1], torch.zeros(p + 1, dtype=torch.long)]),
-                                    torch.tensor([p + 1, 1]), torch.tensor([0]))
-            got.append(logits)
+                                    torch.tensor([p + 1, 1]))
+            got.append(logits[:1])
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-4, atol=1e-4)
 
 

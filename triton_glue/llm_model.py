@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, InvalidInput, decode_utf8
 from contract.schema import FinishReason, request_fields
 from llm import LLM, LLMConfig, configure_threads
+from llm.compiles import COMPILATIONS, Progress
 from llm.sequence import Overloaded, Sequence
 from llm.service import EngineLoop
 from triton_glue import cancel
@@ -51,11 +52,21 @@ class TritonPythonModel:
         metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens)
 
         def build():  # on the engine thread, where all of torch's work happens (llm/service.py says why)
-            if gpu:
-                torch.cuda.set_device(device)
-            threads = configure_threads(instances, device)
-            self.llm = LLM(config, device)
-            engine = self.llm.engine(metrics)
+            progress = Progress(pb_utils.Logger.log_info)
+            try:
+                if gpu:
+                    torch.cuda.set_device(device)
+                threads = configure_threads(instances, device)
+                progress.phase(f"loading {config.model_dir} on {device}")
+                self.llm = LLM(config, device)
+                engine = self.llm.engine(metrics, progress)
+            except BaseException:
+                progress.close("failed")
+                raise
+            runner = engine.runner
+            progress.close(f"ready: {COMPILATIONS.count} compilations, {len(runner.warmed)} step shapes run, "
+                           f"{runner.cuda_graphs} captured as CUDA graphs")
+            metrics.loaded(runner.cuda_graphs)
             pb_utils.Logger.log_info(
                 f"llm: {config.model_dir} on {device} as {self.llm.dtype}, {threads} threads, "
                 f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "

@@ -11,6 +11,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
+from llm.compiles import COMPILATIONS
 from llm.sequence import Metrics
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -43,6 +44,12 @@ class TritonMetrics(Metrics):
         self.rejections = _metric(
             "llm_requests_rejected_total", "Requests refused for overload (queue full or waited too long)", counter, labels
         )
+        self.compilations = _metric(
+            "llm_compilations_total",
+            "Compilations of the forward pass (traced, compiled or loaded from the cache); all happen at load, "
+            "so growth after ready means a request waited on the compiler", counter, labels,
+        )
+        self.cuda_graphs = _metric("llm_cuda_graphs", "Step shapes captured as CUDA graphs at load", gauge, labels)
         self.ttft = _metric(
             "llm_time_to_first_token_seconds", "From arrival at llm to the first token", histogram, labels,
             buckets=TTFT_BUCKETS,
@@ -57,6 +64,21 @@ class TritonMetrics(Metrics):
         self._first: list[float] = []
         self._later: list[float] = []
         self._gauges: tuple[int, int, int] | None = None
+        self._compiled = 0  # COMPILATIONS.count as last published
+
+    def loaded(self, cuda_graphs: int) -> None:
+        """The engine is built: what it compiled and captured at load."""
+        self.cuda_graphs.set(cuda_graphs)
+        self._publish_compilations()
+
+    def _publish_compilations(self) -> None:
+        count = COMPILATIONS.count
+        if count > self._compiled:
+            if self._compiled:
+                pb_utils.Logger.log_warn(f"llm: {count - self._compiled} compilations after ready: a request waited "
+                                         "on the compiler (a step shape the start-up did not run)")
+            self.compilations.increment(count - self._compiled)
+            self._compiled = count
 
     def admitted(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -93,3 +115,4 @@ class TritonMetrics(Metrics):
         if gauges is not None:
             for gauge, value in zip((self.running, self.waiting, self.kv_tokens), gauges):
                 gauge.set(value)
+        self._publish_compilations()
