@@ -9,8 +9,9 @@ which on a 135M model costs more than the arithmetic. Here, as in vLLM and nano-
 - keys and values go straight into a paged cache allocated once (``slots`` per layer, see ``llm/kv.py``),
   written in place at each token's slot;
 - a decode step (one token per row) is one compiled graph, attention included, so on GPUs it replays as
-  one CUDA graph; in a mixed step (decode rows and prompt chunks) attention is ``mixed_attention``, an
-  opaque op, so that only the step's token count shapes the compiled graph (``llm/shapes.py``).
+  one CUDA graph; in a mixed step (decode rows and prompt chunks) the chunks attend in
+  ``mixed_attention``, an opaque op, since their shapes vary too much to compile well; on GPUs the decode
+  rows too, so that only the step's token count shapes the compiled graph (``llm/shapes.py``).
 
 transformers still loads the weights and config, and computes the rotary tables for every RoPE variant.
 """
@@ -40,8 +41,8 @@ class PrefillChunk:
 @dataclass
 class MixedStep:
     """What ``mixed_attention`` reads (kept out of the compiled graph's inputs, whose shapes it would
-    multiply): the first ``len(decode_slots)`` tokens are decode rows over ``decode_slots`` up to
-    ``decode_lengths``; then the prompt chunks."""
+    multiply): the prompt chunks, and, when the graph leaves them to it, the decode rows (the first
+    ``len(decode_slots)`` tokens) over ``decode_slots`` up to ``decode_lengths``."""
 
     decode_slots: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
@@ -186,11 +187,23 @@ class Decoder(torch.nn.Module):
 
         return self._forward(input_ids, positions, slots, None, attention)
 
-    def mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-              logit_rows: torch.Tensor) -> torch.Tensor:
-        """A step of decode rows and prompt chunks as ``MIXED`` describes them: float32 logits for the
-        tokens ``logit_rows``."""
-        return self._forward(input_ids, positions, slots, logit_rows, torch.ops.triton_chat.mixed_attention)
+    def mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, logit_rows: torch.Tensor,
+              decode_slots: torch.Tensor | None = None, decode_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """A step of decode rows, then prompt chunks: float32 logits for the tokens ``logit_rows``. The chunks
+        attend in ``mixed_attention`` (``MIXED``), and so do the decode rows unless ``decode_slots`` is
+        given: then they attend inside the graph, as in ``decode``. CPUs take that (their compiled decode
+        attention runs 2x faster than eager at 300 columns); GPUs leave rows and columns out of the graph's
+        shape, so that only the token count shapes it."""
+        scale = self.head_dim**-0.5
+
+        def attention(q, k_cache, v_cache):
+            out = torch.ops.triton_chat.mixed_attention(q, k_cache, v_cache)
+            if decode_slots is None:
+                return out
+            rows = decode_slots.shape[0]
+            return torch.cat([decode_attention(q[:rows], k_cache, v_cache, decode_slots, decode_lengths, scale), out[rows:]])
+
+        return self._forward(input_ids, positions, slots, logit_rows, attention)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  logit_rows: torch.Tensor | None, attention) -> torch.Tensor:

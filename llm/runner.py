@@ -23,7 +23,7 @@ import torch
 from llm import model
 from llm.kv import BlockTable
 from llm.scheduler import Step
-from llm.shapes import Shape, Shapes
+from llm.shapes import MIN_SIZE, Shape, Shapes
 
 
 class ModelRunner:
@@ -69,8 +69,8 @@ class ModelRunner:
                          f"shape {i} of {len(plan)})")
                 for tensor in args:  # the cache buffers keep their size: another kv_cache_tokens compiles anew
                     torch._dynamo.mark_dynamic(tensor, 0)
-                if shape.kind == "decode":
-                    torch._dynamo.mark_dynamic(args[3], 1)
+                if len(args) > 4:  # decode rows x context columns, in the graph
+                    torch._dynamo.mark_dynamic(args[-2], 1)
                 compiled.add(shape.kind)
             else:
                 progress(f"{'capturing' if capture and shape.kind == 'decode' else 'running'} {shape.kind} shape "
@@ -122,17 +122,21 @@ class ModelRunner:
         return shape, args, len(seqs)
 
     def _mixed_inputs(self, step: Step) -> tuple[Shape, tuple[torch.Tensor, ...], int]:
-        """Decode rows first, then each prompt chunk; their attention is described in ``model.MIXED``."""
-        slots = self.table.slots
-        rows = [s.row for s in step.decode]
-        positions = [s.cached for s in step.decode]
-        ids = [s.token_at(s.cached) for s in step.decode]
-        logit_rows = list(range(len(rows)))
-        mixed = model.MixedStep()
+        """Decode rows first, then each prompt chunk (``model.MIXED``). Without padding (CPUs) the decode
+        rows are graph inputs, at least MIN_SIZE of them; padded (GPUs), ``mixed_attention`` takes them."""
+        slots, device, inline = self.table.slots, self.device, not self.shapes.pad
+        pad = [0] * (max(len(step.decode), MIN_SIZE) - len(step.decode) if inline else 0)  # row 0, position 0
+        rows = [s.row for s in step.decode] + pad
+        positions = [s.cached for s in step.decode] + pad
+        ids = [s.token_at(s.cached) for s in step.decode] + pad
+        logit_rows = list(range(len(step.decode)))
+        mixed, decode = model.MixedStep(), ()
         if rows:
-            columns = max(positions) + 1
-            mixed.decode_slots = slots[torch.tensor(rows, device=self.device), :columns]
-            mixed.decode_lengths = torch.tensor(positions, device=self.device) + 1
+            rows_t = torch.tensor(rows, device=device)
+            decode = (slots[rows_t, :max(max(positions) + 1, MIN_SIZE)], torch.tensor(positions, device=device) + 1)
+            if not inline:
+                mixed.decode_slots, mixed.decode_lengths = decode
+                decode = ()
         for seq, count in step.prefill:
             mixed.chunks.append(model.PrefillChunk(len(ids), count, seq.cached, slots[seq.row, : seq.cached + count]))
             rows += [seq.row] * count
@@ -141,13 +145,13 @@ class ModelRunner:
             if count == seq.prompt_left:
                 logit_rows.append(len(ids) - 1)
         model.MIXED = mixed
-        shape = self.shapes.mixed(len(ids), len(logit_rows))
         sampled = len(logit_rows)
-        pad = [0] * (shape.tokens - len(ids))  # scratch tokens: row 0, position 0, slot 0; no chunk reads them
-        rows_t = torch.tensor(rows + pad, device=self.device)
-        positions_t = torch.tensor(positions + pad, device=self.device)
-        args = (torch.tensor(ids + pad, device=self.device), positions_t, slots[rows_t, positions_t],
-                torch.tensor(logit_rows + [0] * (shape.logits - sampled), device=self.device))
+        shape = self.shapes.mixed(len(step.decode), step.tokens - len(step.decode), sampled)
+        scratch = [0] * (shape.tokens - len(ids))  # row 0, position 0, slot 0; nothing reads them
+        rows_t = torch.tensor(rows + scratch, device=device)
+        positions_t = torch.tensor(positions + scratch, device=device)
+        args = (torch.tensor(ids + scratch, device=device), positions_t, slots[rows_t, positions_t],
+                torch.tensor(logit_rows + [0] * (shape.logits - sampled), device=device), *decode)
         return shape, args, sampled
 
     def _scratch(self, shape: Shape) -> tuple[torch.Tensor, ...]:
@@ -156,10 +160,12 @@ class ModelRunner:
         def zeros(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=torch.long, device=self.device)
 
-        if shape.kind == "mixed":
-            model.MIXED = model.MixedStep()
-            return zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens), zeros(shape.logits)
-        return zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens, shape.columns), zeros(shape.tokens) + 1
+        tokens = (zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens))
+        if shape.kind == "decode":
+            return *tokens, zeros(shape.tokens, shape.columns), zeros(shape.tokens) + 1
+        model.MIXED = model.MixedStep()
+        inline = () if self.shapes.pad else (zeros(MIN_SIZE, MIN_SIZE), zeros(MIN_SIZE) + 1)
+        return *tokens, zeros(shape.logits), *inline
 
     @staticmethod
     def _columns(shape: Shape) -> str:

@@ -73,18 +73,20 @@ class Shapes:
             rows, columns = max(rows, MIN_SIZE), max(columns, MIN_SIZE)
         return Shape("decode", rows, columns, rows)
 
-    def mixed(self, tokens: int, sampled: int) -> Shape:
-        """``sampled`` of the ``tokens`` get logits: the decode rows and the prompts that this step
-        completes. Padded, that is every row the engine may hold (or every token, if fewer)."""
+    def mixed(self, decode: int, prompt: int, sampled: int) -> Shape:
+        """``decode`` rows and ``prompt`` tokens of prompt chunks, of which ``sampled`` get logits (the
+        decode rows and the prompts that this step completes). Padded, every row the engine may hold (or
+        every token, if fewer) gets logits. Exact, the decode rows and the prompt part are each at least
+        MIN_SIZE: both are sizes in the CPU's graph."""
         if self.pad:
-            tokens = _up(tokens, self.tokens)
+            tokens = _up(decode + prompt, self.tokens)
             return Shape("mixed", tokens, 0, min(tokens, self.rows[-1]))
-        return Shape("mixed", max(tokens, MIN_SIZE), 0, max(sampled, MIN_SIZE))
+        return Shape("mixed", max(decode, MIN_SIZE) + max(prompt, MIN_SIZE), 0, max(sampled, MIN_SIZE))
 
     def warm_up(self) -> list[Shape]:
         """Padded: every shape, the largest first (CUDA graphs captured in that order share memory best).
         Exact: one shape of each kind, which compiles the graph that serves every size."""
         if not self.pad:
-            return [self.decode(MIN_SIZE, MIN_SIZE), self.mixed(MIN_SIZE, MIN_SIZE)]
+            return [self.decode(MIN_SIZE, MIN_SIZE), self.mixed(MIN_SIZE, MIN_SIZE, MIN_SIZE)]
         decode = [self.decode(r, c) for r in reversed(self.rows) for c in reversed(self.columns)]
-        return decode + [self.mixed(t, t) for t in reversed(self.tokens)]
+        return decode + [self.mixed(0, t, t) for t in reversed(self.tokens)]

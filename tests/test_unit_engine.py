@@ -21,7 +21,7 @@ from llm import LLM, LLMConfig
 from llm.compiles import COMPILATIONS
 from llm.kv import BLOCK_SIZE, blocks_for
 from llm.sequence import Overloaded, Sequence
-from llm.shapes import Shapes
+from llm.shapes import Shape, Shapes
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
 
@@ -222,11 +222,12 @@ def test_the_buckets_bound_the_shapes_and_cover_every_size():
     assert shapes.tokens == (16, 32, 64, 128, 256)
     assert len(shapes.warm_up()) == 6 * 8 + 5
     assert {shapes.decode(r, c) for r in range(1, 65) for c in range(1, 8193, 7)} <= set(shapes.warm_up())
-    assert {shapes.mixed(t, min(t, 64)) for t in range(1, 257)} <= set(shapes.warm_up())
+    assert {shapes.mixed(d, t - d, min(t, 64)) for t in range(1, 257) for d in range(min(t, 64))} <= set(shapes.warm_up())
     odd = Shapes.plan(True, max_rows=48, max_columns=100, max_tokens=200)
     assert (odd.rows[-1], odd.columns, odd.tokens[-1]) == (48, (64, 100), 200)
     exact = Shapes.plan(False, max_rows=64, max_columns=8192, max_tokens=256)
     assert exact.decode(3, 77).tokens == 3 and exact.decode(3, 77).columns == 77 and len(exact.warm_up()) == 2
+    assert exact.mixed(0, 1, 1).tokens == 4 and exact.mixed(5, 20, 6) == Shape("mixed", 25, 0, 6)
 
 
 def test_each_row_keeps_its_own_max_tokens_and_leaves_at_once(llm):

@@ -28,8 +28,10 @@ def scratch_rows(count: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(count, 2, dtype=torch.long), torch.ones(count, dtype=torch.long)
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["decode-rows-in-graph", "decode-rows-in-op"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_and_decode_give_the_hugging_face_logits(family):
+def test_chunked_prefill_and_decode_give_the_hugging_face_logits(family, inline):
+    """A mixed step's decode rows attend inside the graph (CPUs) or in ``mixed_attention`` (GPUs)."""
     torch.manual_seed(0)
     hf = FAMILIES[family]().eval()
     decoder = M.Decoder(hf, slots=64, positions=64)
@@ -39,11 +41,13 @@ def test_chunked_prefill_and_decode_give_the_hugging_face_logits(family):
         expected = hf(ids[None]).logits[0]
         got = []
         for start, count in ((0, 6), (6, 4)):  # the prompt in two chunks, each after 2 scratch decode rows
-            M.MIXED = M.MixedStep(*scratch_rows(), [M.PrefillChunk(2, count, start, slots[: start + count])])
+            chunk = M.PrefillChunk(2, count, start, slots[: start + count])
+            M.MIXED = M.MixedStep(chunks=[chunk]) if inline else M.MixedStep(*scratch_rows(), [chunk])
             zeros = torch.zeros(2, dtype=torch.long)
             positions = torch.cat([zeros, torch.arange(start, start + count)])
             logits = decoder.mixed(torch.cat([zeros, ids[start:start + count]]), positions,
-                                   torch.cat([zeros, slots[start:start + count]]), torch.arange(2, 2 + count))
+                                   torch.cat([zeros, slots[start:start + count]]), torch.arange(2, 2 + count),
+                                   *(scratch_rows() if inline else ()))
             got.append(logits)
         for p in range(10, 14):  # then one token at a time, beside a scratch row
             logits = decoder.decode(torch.tensor([ids[p], 0]), torch.tensor([p, 0]), torch.tensor([slots[p], 0]),
