@@ -3,8 +3,8 @@
 Weights are seeded random (no hub here); the vocabulary is the served model's tokenizer's. Every request
 has a 128-token prompt and generates exactly 128 tokens. The weight-read limit is what a decode step can
 reach if reading the weights once per step were all it did: ``rows x read bandwidth / bytes read``, with
-the bandwidth measured on this device by a large copy. ``make gpu-check`` runs it at the Llama-3.2-1B and
-Llama-3.1-8B shapes in bf16.
+the bandwidth measured on this device by ``bench.roofline.bandwidth`` (a full read of 2 GiB).
+``make gpu-check`` runs it at the Llama-3.2-1B and Llama-3.1-8B shapes in bf16.
 """
 
 from __future__ import annotations
@@ -36,20 +36,6 @@ PROMPT, NEW = 128, 128
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def read_bandwidth(device: torch.device) -> float:
-    """Bytes per second a large device-to-device copy reads (it writes as many)."""
-    x = torch.empty((2**30 if device.type == "cuda" else 2**26) // 2, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    synchronize(device)
-    began = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    synchronize(device)
-    return 10 * x.numel() * x.element_size() / (time.perf_counter() - began)
 
 
 def bytes_read_per_step(hf: PreTrainedModel) -> int:
