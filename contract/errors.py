@@ -21,16 +21,20 @@ def decode_utf8(field: str, raw: bytes) -> str:
 INTERNAL_ERROR = "internal error: "
 CANCELLED = "request cancelled"
 OVERLOADED = "overloaded: "  # leads a refusal for load (UNAVAILABLE): the client may retry later
+UNAVAILABLE = "unavailable: "  # leads a refusal or an ending because the server is stopping: retry elsewhere
+STOPPING = f"{UNAVAILABLE}the server is stopping and takes no new requests; retry"
 
 
 def classify(message: str) -> str:
     """What an error from the pipeline was, from its message alone: ``internal``, ``overloaded``,
-    ``cancelled`` or ``invalid`` (the client's mistake). Triton 2.51 hands BLS callers and gRPC stream
-    clients the message of an error but not its code."""
+    ``unavailable``, ``cancelled`` or ``invalid`` (the client's mistake). Triton 2.51 hands BLS callers
+    and gRPC stream clients the message of an error but not its code."""
     if INTERNAL_ERROR in message:
         return "internal"
     if OVERLOADED in message or "Exceeds maximum queue size" in message:  # llm's or Triton's queue is full
         return "overloaded"
+    if UNAVAILABLE in message or "Server is stopping" in message:  # ours, or Triton's stopped scheduler
+        return "unavailable"
     if CANCELLED in message:
         return "cancelled"
     return "invalid"

@@ -94,6 +94,8 @@ LLM_OUTPUTS = (
     Field("generation_id", "TYPE_STRING", optional=False),
     Field("output_logprobs", "TYPE_FP32", (-1, -1), optional=False),
     Field("top_logprob_ids", "TYPE_INT32", (-1, -1), optional=False),
+    # Empty, or on a final response whose finish_reason is a failure: the error postprocess answers with.
+    Field("error", "TYPE_STRING", optional=False),
 )
 
 
@@ -111,6 +113,11 @@ class FinishReason(str, Enum):
     CANCELLED = "cancelled"  # the client went away or cancelled
     OVERLOADED = "overloaded"  # refused for load after it was accepted (it waited too long for room)
     ERROR = "error"  # the server failed (a forward pass raised, the model unloaded)
+    UNAVAILABLE = "unavailable"  # the server stopped before the reply finished (its drain timeout ran out)
+
+    @property
+    def failed(self) -> bool:
+        return self not in (FinishReason.STOP, FinishReason.LENGTH)
 
     def __str__(self) -> str:
         return self.value

@@ -23,14 +23,14 @@ fi
 # Models and tokenizers load only from inside these folders (contract/paths.py).
 export MODEL_ROOTS="${MODEL_ROOTS:-/opt/chat/cache/models:/models}"
 restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
-# Triton 2.51 does not notice a Python stub that dies; the watchdog reloads its model (launcher/watchdog.py).
-ADMIN_KEY="$ADMIN_KEY" HTTP_PORT="${HTTP_PORT:-8000}" GRPC_PORT="${GRPC_PORT:-8001}" python3 -m launcher watch &  # a generated key is not exported
-unset ADMIN_KEY  # the models have no use for it
+# launcher supervise runs tritonserver as its child, with the watchdog beside it (Triton 2.51 does not
+# notice a Python stub that dies: launcher/watchdog.py reloads its model). exec: it replaces this shell as
+# PID 1, so docker stop's SIGTERM reaches it, and it drains first: new requests are refused, those running
+# get up to DRAIN_TIMEOUT seconds (30) to finish, then tritonserver gets its SIGTERM (docs/operations.md).
 # thread-pool-size: the Python backend's threads per model instance (launcher/triton.py says why).
 # Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
-# exec: tritonserver replaces this shell as PID 1, so docker stop's SIGTERM reaches it, and it drains
-# in-flight requests for up to --exit-timeout-secs before it exits.
-exec tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \
+ADMIN_KEY="$ADMIN_KEY" exec python3 -m launcher supervise \
+  tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \
   --http-port="${HTTP_PORT:-8000}" --grpc-port="${GRPC_PORT:-8001}" --metrics-port="${METRICS_PORT:-8002}" \
   --load-model='*' --exit-timeout-secs=30 --backend-config=python,thread-pool-size=512 \
   --http-restricted-api="$restricted" --grpc-restricted-protocol="$restricted" \

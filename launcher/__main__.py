@@ -12,15 +12,18 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 from launcher.frontend import OpenAIFrontend
 from launcher.model import check_model_dir, prepare_default_model, seed_model_dir
-from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, has_gpu
+from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, drain_timeout, has_gpu
 from launcher.watchdog import Watchdog, healthy, python_models
+from triton_glue import drain
 
 log = logging.getLogger("launcher")
+STARTUP_TIMEOUT = 1800.0  # seconds for Triton to be ready: a cold start on a GPU compiles for minutes
 
 
 def checked(path: Path) -> Path:
@@ -39,8 +42,8 @@ def model_dir() -> Path:
 def start_server(log_path: Path | None) -> TritonServer:
     path, gpu = model_dir(), has_gpu()
     log.info("model %s, %s", path, "GPU instances" if gpu else "no GPU found: CPU instances (configs/cpu.pbtxt)")
-    # Ctrl-C and SIGTERM both mean "drain and leave": either raises KeyboardInterrupt, the caller then
-    # stops Triton, which finishes in-flight requests (up to --exit-timeout-secs) before it exits.
+    # Ctrl-C and SIGTERM both mean "drain and leave": either raises KeyboardInterrupt, and the caller
+    # then stops both servers (stop()), letting the requests running finish for up to DRAIN_TIMEOUT.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     if not os.environ.get("ADMIN_KEY"):
@@ -55,21 +58,45 @@ def start_frontend(server: TritonServer, log_path: Path | None) -> OpenAIFronten
     return OpenAIFrontend(server, name, log_path=log_path).start()
 
 
+def stop(server: TritonServer, frontend: OpenAIFrontend | None) -> None:
+    """Both drain at once (DRAIN_TIMEOUT); the front end exits last, once Triton's last answers reached it."""
+    log.info("stopping: new requests are refused; those running get up to %g s (DRAIN_TIMEOUT) to finish",
+             drain_timeout())
+    if frontend:
+        frontend.drain()
+    server.stop()
+    if frontend:
+        frontend.stop()
+
+
+def announce(server: TritonServer, frontend: OpenAIFrontend | None) -> None:
+    """The one line that says everything answers."""
+    ports = server.ports
+    log.info("ready: Triton http://127.0.0.1:%d (gRPC :%d, metrics :%d)%s; Ctrl-C to stop", ports.http, ports.grpc,
+             ports.metrics, f", OpenAI API {frontend.url}/v1 (model {frontend.model_name!r})" if frontend else "")
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
+        drain_timeout()  # a bad DRAIN_TIMEOUT is said now, not at the first Ctrl-C
         server = start_server(log_path=None)
         frontend = None if args.no_openai else start_frontend(server, log_path=None)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
+        server.wait_ready(timeout=STARTUP_TIMEOUT)
+        if frontend:
+            frontend.wait_ready()
+        announce(server, frontend)
         return server.process.wait()
     except KeyboardInterrupt:
         return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
-        if frontend:
-            frontend.stop()
-        server.stop()
+        stop(server, frontend)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     frontend = None
     try:
+        drain_timeout()
         server = start_server(log_path)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -87,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_openai:
             frontend = start_frontend(server, log_path.with_name("openai.log"))
         log.info("starting tritonserver (log: %s)", log_path)
-        server.wait_ready()
+        server.wait_ready(timeout=STARTUP_TIMEOUT)
         client = ChatClient(f"127.0.0.1:{server.ports.http}")
         print(f"> {args.prompt}\n{client.generate(Prompt(args.prompt, args.max_tokens)).text_output}", flush=True)
         client.close()
@@ -95,9 +123,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if frontend:
             frontend.wait_ready()
-        log.info("serving on http :%d, grpc :%d, metrics :%d%s; Ctrl-C to stop", server.ports.http,
-                 server.ports.grpc, server.ports.metrics,
-                 f", OpenAI API :{frontend.port} (model {frontend.model_name!r})" if frontend else "")
+        announce(server, frontend)
         server.process.wait()
         return server.process.returncode
     except KeyboardInterrupt:
@@ -106,32 +132,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}\n{server.log_tail()}", file=sys.stderr)
         return 1
     finally:
-        if frontend:
-            frontend.stop()
-        server.stop()
+        stop(server, frontend)
 
 
 def local_url() -> str:
     return f"http://127.0.0.1:{Ports.from_env().http}"
 
 
-def watch() -> int:
-    """The watchdog alone, next to a tritonserver started elsewhere (the image's entrypoint)."""
+def supervise(command: list[str]) -> int:
+    """The image's main process: ``command`` (tritonserver) as its child, the watchdog beside it, and on
+    SIGTERM the drain before tritonserver gets its own (``TritonServer.stop``)."""
+    ports = Ports.from_env()
     repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
-    watchdog = Watchdog(local_url(), f"127.0.0.1:{Ports.from_env().grpc}", os.environ.get("ADMIN_KEY", ""),
-                        python_models(repository))
+    server = TritonServer(ports=ports, model_repository=repository, admin_key=os.environ.get("ADMIN_KEY", ""))
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    env = {k: v for k, v in os.environ.items() if k != "ADMIN_KEY"}  # the models have no use for it
+    server.process = subprocess.Popen(command, env=env, start_new_session=True)
+    server.watchdog = Watchdog(server.url, server.grpc_url, server.admin_key, python_models(repository),
+                               server.process.pid).start()
     try:
-        watchdog.run()
+        return server.process.wait()
     except KeyboardInterrupt:
-        pass
-    return 0
+        server.stop()
+        return 0
 
 
 def health() -> int:
-    """Exit 0 when ready and every ready Python model has its stub (Docker's HEALTHCHECK)."""
+    """Exit 0 when ready, no ready Python model has lost its stub, and no drain has begun (Docker's
+    HEALTHCHECK, Kubernetes' probes): Triton's own readiness says neither of the last two."""
     repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
-    return 0 if healthy(local_url(), python_models(repository)) else 1
+    return 0 if healthy(local_url(), python_models(repository)) and not drain.posted() else 1
 
 
 def check_model(seed: bool) -> int:
@@ -157,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("prepare", help="prepare the default model folder (once) and print its path")
     serve_parser = sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
     serve_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
-    sub.add_parser("watch", help="reload a model whose Python stub died (needs ADMIN_KEY), until SIGTERM")
-    sub.add_parser("health", help="exit 0 when Triton is ready and no Python stub has died")
+    supervise_parser = sub.add_parser(
+        "supervise", help="run COMMAND (tritonserver) with the watchdog beside it (needs ADMIN_KEY); SIGTERM drains first")
+    supervise_parser.add_argument("server_command", nargs=argparse.REMAINDER, metavar="COMMAND")
+    sub.add_parser("health", help="exit 0 when Triton is ready, no Python stub has died and no drain has begun")
     check_parser = sub.add_parser("check-model", help="exit 1, naming what is missing, unless MODEL_DIR is a complete model folder")
     check_parser.add_argument("--seed", action="store_true", help="first copy the default model to MODEL_DIR when it names it and is absent")
     run_parser = sub.add_parser("run", help="serve, answer one prompt over HTTP, keep serving")
@@ -173,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check-model":
         return check_model(args.seed)
-    commands = {"watch": watch, "health": health}
-    if args.command in commands:
-        return commands[args.command]()
+    if args.command == "supervise":
+        return supervise(args.server_command)
+    if args.command == "health":
+        return health()
     return serve(args) if args.command == "serve" else run(args)
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.triton import REPO_ROOT, TritonServer, port_is_free, stop_group, wait_healthy
+from launcher.triton import DRAIN_SLACK, REPO_ROOT, TritonServer, drain_timeout, port_is_free, stop_group, wait_healthy
 
 
 @dataclass
@@ -22,6 +23,7 @@ class OpenAIFrontend:
     log_path: Path | None = None
     port: int = 0  # 0: the server's ports.openai
     process: subprocess.Popen | None = None
+    draining: bool = False
 
     def __post_init__(self) -> None:
         self.port = self.port or self.triton.ports.openai
@@ -45,8 +47,18 @@ class OpenAIFrontend:
         """Until ``/health`` answers 200 (it does once Triton is ready)."""
         wait_healthy(f"{self.url}/health", self.process, f"the OpenAI front end on :{self.port}", timeout)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        stop_group(self.process, timeout)
+    def drain(self) -> None:
+        """SIGTERM without waiting: the front end refuses new requests and lets its streams finish
+        (``openai_frontend/__main__.py``), while Triton drains beside it."""
+        if self.process and self.process.poll() is None and not self.draining:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.draining = True
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drain (unless begun), and wait for it to exit: past ``timeout`` (its own drain's, and a
+        margin), SIGKILL."""
+        limit = drain_timeout() + 2 * DRAIN_SLACK if timeout is None else timeout
+        stop_group(self.process, limit, signalled=self.draining)
 
     def __enter__(self) -> "OpenAIFrontend":
         return self.start()

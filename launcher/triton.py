@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
-from client.admin import ADMIN_HEADER
+from client.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from launcher.watchdog import Watchdog, python_models
-from triton_glue import stubs
+from triton_glue import drain, stubs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "ensemble_repo"
@@ -52,6 +54,22 @@ PYTHON_BACKEND_THREADS = 512
 # error lines remain that no flag silences, both harmless on a CPU (docs/operations.md).
 CPU_ONLY_FLAGS = ["--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false"]
 SETTLED_GRACE = 3.0  # seconds a stopping process gets to exit on its own once it is settled (stop_group)
+# Seconds a stopping server lets the requests it holds finish before it ends them with an error
+# (DRAIN_TIMEOUT); compose's stop_grace_period and Kubernetes' terminationGracePeriodSeconds leave room for it.
+DEFAULT_DRAIN_TIMEOUT = 30.0
+DRAIN_SLACK = 5.0  # past the drain timeout, for the errors that end what was left to reach their clients
+
+
+def drain_timeout() -> float:
+    """``DRAIN_TIMEOUT`` seconds from the environment (default 30; 0 ends what is running at once)."""
+    raw = os.environ.get("DRAIN_TIMEOUT", "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_DRAIN_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise RuntimeError(f"DRAIN_TIMEOUT must be a number of seconds >= 0, got {raw!r}")
+    return seconds
 
 
 def repository_variant(target: Path, edit_llm_config: Callable[[str], str], llm_model: Path | None = None) -> Path:
@@ -126,13 +144,15 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callable[[], bool] | None = None) -> bool:
-    """SIGTERM a process started with ``start_new_session`` and its children, SIGKILL past ``timeout``, or
-    sooner once ``settled()`` (it has nothing left to finish) has held for ``SETTLED_GRACE`` seconds
-    without the process exiting. True when it was ended for that."""
+def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callable[[], bool] | None = None,
+               signalled: bool = False) -> bool:
+    """SIGTERM a process started with ``start_new_session`` and its children (unless ``signalled``
+    already), SIGKILL past ``timeout``, or sooner once ``settled()`` (it has nothing left to finish) has
+    held for ``SETTLED_GRACE`` seconds without the process exiting. True when it was ended for that."""
     if not process or process.poll() is not None:
         return False
-    os.killpg(process.pid, signal.SIGTERM)
+    if not signalled:
+        os.killpg(process.pid, signal.SIGTERM)
     deadline, settled_at, early = time.monotonic() + timeout, None, False
     while process.poll() is None and time.monotonic() < deadline and not early:
         settled_at = (settled_at or time.monotonic()) if settled and settled() else None
@@ -224,6 +244,7 @@ class TritonServer:
     admin_key: str = field(default_factory=admin_key, repr=False)
     process: subprocess.Popen | None = None
     watchdog: Watchdog | None = None  # runs with the process: Triton 2.51 misses a dead Python stub
+    _drain_notes: list[int] = field(default_factory=list, repr=False)  # llm stubs whose drain notes to clear
 
     @property
     def url(self) -> str:
@@ -289,20 +310,66 @@ class TritonServer:
         """How often ``model`` loaded so far, by the log (tests tell a reload from none with it)."""
         return self.log_path.read_text(errors="replace").count(f"successfully loaded '{model}'")
 
-    def stop(self, timeout: float = 40.0) -> None:
-        """SIGTERM: Triton finishes the requests in flight, then unloads every model. SIGKILL past ``timeout``.
+    def drain(self, seconds: float) -> bool:
+        """Refuse new requests and let the ones held finish, for up to ``seconds``, after which llm ends the
+        rest with an error (``triton_glue/drain.py``); True once every llm instance holds nothing."""
+        pid = self.process.pid
+        llm_stubs = sorted(stubs.stubs(pid).get("llm", ()))
+        drain.begin(pid, seconds)
+        deadline = time.monotonic() + seconds + DRAIN_SLACK
+        try:
+            while self.process.poll() is None and time.monotonic() < deadline:
+                if drain.drained(llm_stubs):
+                    return True
+                time.sleep(0.1)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now
+            log.warning("interrupted again: stopping without waiting for the requests in flight")
+        finally:
+            self._drain_notes = llm_stubs
+        return False
+
+    def unload_models(self) -> None:
+        """Unload every model before the SIGTERM. On SIGTERM Triton 2.51 first waits, up to its whole exit
+        timeout, for clients to close their idle keep-alive HTTP connections, and only then unloads: a
+        client that keeps one open made every stop take 30 s and end with "Exit timeout expired" (measured).
+        Unloaded first, every stub exits cleanly, and ``stop_group`` ends the wait once none is left."""
+        headers = {GRPC_ADMIN_HEADER: self.admin_key}
+        try:
+            client = grpcclient.InferenceServerClient(self.grpc_url)
+            try:
+                for model in client.get_model_repository_index(headers=headers, as_json=True).get("models", []):
+                    if model.get("state") == "READY":
+                        client.unload_model(model["name"], headers=headers)
+            finally:
+                client.close()
+        except InferenceServerException as e:  # the SIGTERM still stops it, only less quickly
+            log.warning("could not unload the models before stopping: %s", e)
+
+    def stop(self, timeout: float = 40.0, drain_seconds: float | None = None) -> None:
+        """Drain (up to ``drain_seconds``, default ``DRAIN_TIMEOUT``), then SIGTERM: Triton unloads every
+        model and exits. SIGKILL past ``timeout`` after the SIGTERM.
 
         Triton 2.51 counts a model whose load failed (a tokenizer swap to a bad folder) as live until its
-        whole ``--exit-timeout-secs`` runs out, then exits with "Exit timeout expired". Once every Python
-        stub has exited, every request was answered and every model unloaded, so past a short grace the
-        launcher ends the process itself instead of waiting out those 30 s.
+        whole ``--exit-timeout-secs`` runs out, then exits with "Exit timeout expired"; it also waits that
+        long for clients to close idle keep-alive HTTP connections. Once every Python stub has exited,
+        every request was answered and every model unloaded, so past a short grace the launcher ends the
+        process itself instead of waiting out those 30 s.
         """
         if self.watchdog:
             self.watchdog.stop()
-        pid = self.process.pid if self.process else None
+        if not self.process or self.process.poll() is not None:
+            return
+        pid, started = self.process.pid, time.monotonic()
+        seconds = drain_timeout() if drain_seconds is None else drain_seconds
+        drained = self.drain(seconds)
+        log.info("tritonserver %s in %.1f s; stopping it", "drained" if drained else "did not drain",
+                 time.monotonic() - started)
+        self.unload_models()
         if stop_group(self.process, timeout, settled=lambda: not stubs.stubs(pid)):
             log.info("every model is unloaded; ended tritonserver (Triton 2.51 would wait out its exit timeout "
-                     "for a model whose load failed)")
+                     "for idle keep-alive HTTP connections, or for a model whose load failed)")
+        drain.clear(pid, self._drain_notes)
+        log.info("tritonserver stopped %.1f s after the stop began", time.monotonic() - started)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

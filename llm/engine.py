@@ -55,10 +55,11 @@ class Engine:
     def kv_tokens(self) -> int:
         return self.scheduler.blocks.used_tokens
 
-    def cancel(self, seq: Sequence) -> None:
-        """Stop ``seq`` before the next step; its cache blocks go with that step."""
+    def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> None:
+        """Stop ``seq`` before the next step, for ``reason``; its cache blocks go with that step."""
         if not seq.finished:
-            seq.finish_reason = FinishReason.CANCELLED
+            seq.error = error  # before the reason: whoever sees it finished reads the error too
+            seq.finish_reason = reason
 
     # Called from the engine thread only.
     def step(self) -> list[Sequence]:

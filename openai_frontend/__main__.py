@@ -3,7 +3,8 @@
 Every option has an environment variable, so the launcher, the image and compose configure it the same
 way: ``TRITON_GRPC_URL``, ``OPENAI_PORT`` (9000, as Triton's own OpenAI frontend), ``OPENAI_MODEL_NAME``
 (default: the name of ``MODEL_DIR``'s folder), ``OPENAI_REQUEST_TIMEOUT`` (seconds), ``API_KEYS``
-(comma-separated) or ``API_KEYS_FILE`` (one key a line) and ``TRITON_PID``.
+(comma-separated) or ``API_KEYS_FILE`` (one key a line), ``DRAIN_TIMEOUT`` (seconds a stop lets requests
+finish, 30) and ``TRITON_PID``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from openai_frontend.app import Settings, create_app
+from openai_frontend.shutdown import Server
 
 
 def default_model_name() -> str:
@@ -45,19 +47,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="server-side deadline in seconds (a client's X-Request-Timeout header may shorten it)")
     parser.add_argument("--api-keys", default=env("API_KEYS", ""), help="comma-separated; unset: no keys needed")
     parser.add_argument("--api-keys-file", default=env("API_KEYS_FILE", ""), help="one key a line")
+    parser.add_argument("--drain-timeout", type=float, default=float(env("DRAIN_TIMEOUT", "30")),
+                        help="seconds a stop (SIGTERM) lets requests in flight finish before ending them")
     parser.add_argument("--triton-pid", type=int, default=int(env("TRITON_PID", "0")) or None,
                         help="the tritonserver whose Python stubs to watch (default: any on this host)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not args.request_timeout > 0:
         parser.error("--request-timeout must be > 0")
+    if not 0 <= args.drain_timeout < float("inf"):
+        parser.error("--drain-timeout (DRAIN_TIMEOUT) must be a number of seconds >= 0")
     settings = Settings(args.triton_url, args.model_name, args.request_timeout,
-                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid)
-    logging.getLogger("openai_frontend").info(
-        "OpenAI API for %r on :%d over Triton gRPC %s, deadline %g s, %s", settings.model_name, args.port,
-        settings.triton_url, settings.request_timeout,
-        f"{len(settings.api_keys)} API keys" if settings.api_keys else "no API keys (open)")
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.drain_timeout)
+    log = logging.getLogger("openai_frontend")
+    log.info("OpenAI API for %r: waiting for Triton (gRPC %s) to be ready before answering on :%d",
+             settings.model_name, settings.triton_url, args.port)
+
+    def ready() -> None:
+        log.info("OpenAI API ready: http://%s:%d/v1, model %r, deadline %g s, %s", args.host, args.port,
+                 settings.model_name, settings.request_timeout,
+                 f"{len(settings.api_keys)} API keys" if settings.api_keys else "no API keys (open)")
+
+    app = create_app(settings, on_ready=ready)
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), app.state.drain).run()
     return 0
 
 

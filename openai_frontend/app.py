@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -27,11 +27,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import ValidationError
 
 from client import Chunk, Prompt
+from contract.errors import STOPPING, UNAVAILABLE
 from openai_frontend.schemas import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
     ChatLogprobs, ChatMessage, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Error,
     ErrorResponse, GenerationFields, Model, ModelList, UnsupportedField, Usage, refuse_unsupported,
 )
+from openai_frontend.shutdown import Drain
 from openai_frontend.triton import PipelineError, Triton
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens (never lengthens) the server's deadline
@@ -49,6 +51,7 @@ class Settings:
     request_timeout: float = 600.0  # seconds from arrival to the last byte
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
     triton_pid: int | None = None  # the tritonserver whose stubs to watch; None: any on this host
+    drain_timeout: float = 30.0  # seconds a stop lets requests in flight finish (openai_frontend/shutdown.py)
 
 
 class APIError(Exception):
@@ -193,11 +196,11 @@ class CompletionReply(Reply):
 
 
 class Gate:
-    """API keys on /v1, then metrics for every answer: status, and latency to the last byte (streams
-    included), labelled by route template, not raw path."""
+    """API keys on /v1, refusals while the server drains, then metrics for every answer: status, and
+    latency to the last byte (streams included), labelled by route template, not raw path."""
 
-    def __init__(self, app, settings: Settings, metrics: Metrics) -> None:
-        self.app, self.settings, self.metrics = app, settings, metrics
+    def __init__(self, app, settings: Settings, metrics: Metrics, drain: Drain) -> None:
+        self.app, self.settings, self.metrics, self.drain = app, settings, metrics, drain
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -213,12 +216,16 @@ class Gate:
         if scope["path"].startswith("/v1") and keys and not _authorized(Request(scope), keys):
             error = APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", code="invalid_api_key")
             await error.response()(scope, receive, recording_send)
+        elif self.drain.started and scope["method"] == "POST" and scope["path"].startswith("/v1"):
+            await APIError(503, STOPPING, code="unavailable").response()(scope, receive, recording_send)
         else:
             self.metrics.in_flight.inc()
+            self.drain.in_flight += 1
             try:
                 await self.app(scope, receive, recording_send)
             finally:
                 self.metrics.in_flight.dec()
+                self.drain.in_flight -= 1
         route = getattr(scope.get("route"), "path", "other")
         self.metrics.requests.labels(route, str(status[0])).inc()
         self.metrics.latency.labels(route).observe(time.perf_counter() - start)
@@ -233,17 +240,27 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) -> FastAPI:
+    """The app; ``on_ready`` is called once, when Triton first answers ready (so is ``/health``)."""
     triton = Triton(settings.triton_url, settings.triton_pid)
     metrics = Metrics()
+    drain = Drain(settings.drain_timeout)
+
+    async def announce() -> None:
+        while not await triton.ready():
+            await asyncio.sleep(0.5)
+        on_ready()
 
     async def lifespan(app: FastAPI):
         await triton.start()
+        waiting = asyncio.create_task(announce())
         yield
+        waiting.cancel()
         await triton.close()
 
     app = FastAPI(title="triton-chat OpenAI-compatible API", lifespan=lifespan)
-    app.add_middleware(Gate, settings=settings, metrics=metrics)
+    app.state.drain = drain
+    app.add_middleware(Gate, settings=settings, metrics=metrics, drain=drain)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -265,6 +282,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.started:
+            return JSONResponse({"status": "draining"}, status_code=503)
         ready = await triton.ready()
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
@@ -320,14 +339,15 @@ def create_app(settings: Settings) -> FastAPI:
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         watcher = asyncio.create_task(_until_disconnected(request))
+        cut = asyncio.create_task(drain.expired.wait())
 
         async def next_piece() -> tuple[int, Chunk | PipelineError]:
-            """The next piece of any generation; raises APIError at the deadline, and CancelledError when
-            the client went away."""
+            """The next piece of any generation; raises APIError at the deadline or when a drain runs out,
+            and CancelledError when the client went away."""
             getter = asyncio.ensure_future(merged.get())
             try:
                 timeout = deadline.at - asyncio.get_running_loop().time()
-                done, _ = await asyncio.wait({getter, watcher}, timeout=max(0.0, timeout),
+                done, _ = await asyncio.wait({getter, watcher, cut}, timeout=max(0.0, timeout),
                                              return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not getter.done():
@@ -336,10 +356,14 @@ def create_app(settings: Settings) -> FastAPI:
                 return getter.result()
             if watcher in done:
                 raise asyncio.CancelledError("the client disconnected")
+            if cut in done:
+                raise APIError(503, f"{UNAVAILABLE}the server is stopping and its drain timeout "
+                                    f"({drain.seconds:g} s) ended this reply; retry", code="unavailable")
             raise deadline.error()
 
         async def close() -> None:
             watcher.cancel()
+            cut.cancel()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -137,7 +137,7 @@ def llm_model(load_model):
     model.llm.eos_ids = set()
     model.ids = (f"1-{n}" for n in itertools.count())
     model.fingerprint = np.array([[b"f"]], dtype=np.object_)
-    model.loop = EngineLoop(model.llm.engine, model._respond, model._is_cancelled, print)
+    model.loop = EngineLoop(model.llm.engine, model._respond, model._ending, print)
     yield model
     model.finalize()
 

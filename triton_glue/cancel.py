@@ -6,6 +6,10 @@ postprocess request of that stream does arrive marked (postprocess runs without 
 would drop it unseen), so postprocess leaves a mark named by the ``generation_id`` llm attached to every
 response, and each llm instance looks for its running requests' marks before every step. A directory is
 the one place every instance of both models shares without Triton in between.
+
+A mark may carry an error: postprocess cannot fail a chunk while llm still streams (``docs/operations.md``
+says why: Triton 2.51's ensemble would never finish the request), so it hands the failure to llm, which
+ends the generation with it.
 """
 
 from __future__ import annotations
@@ -19,17 +23,22 @@ BOARD = Path(os.environ.get("CANCEL_DIR") or Path("/dev/shm" if Path("/dev/shm")
 GENERATION_ID = re.compile(r"^[0-9]{1,10}-[0-9]{1,20}$")  # "<llm stub pid>-<counter>": unique on the host
 
 
-def mark(generation_id: str) -> None:
-    """Ask llm to stop ``generation_id``; ignores ids llm could not have made (no path ever escapes)."""
+def mark(generation_id: str, error: str = "") -> None:
+    """Ask llm to stop ``generation_id`` (with ``error``, to fail it); ignores ids llm could not have made
+    (no path ever escapes)."""
     if GENERATION_ID.match(generation_id):
         BOARD.mkdir(parents=True, exist_ok=True)
-        (BOARD / generation_id).touch()
+        draft = BOARD / f".{generation_id}.{os.getpid()}"  # whole or absent: llm never reads half an error
+        draft.write_text(error)
+        os.replace(draft, BOARD / generation_id)
 
 
-def take(generation_id: str) -> bool:
-    """True once if ``generation_id`` was marked; the mark is consumed."""
+def take(generation_id: str) -> str | None:
+    """Once, if ``generation_id`` was marked: its error ("" for a plain cancellation); the mark is consumed."""
+    path = BOARD / generation_id
     try:
-        os.unlink(BOARD / generation_id)
-        return True
+        error = path.read_text(errors="replace")
+        os.unlink(path)
+        return error
     except FileNotFoundError:
-        return False
+        return None

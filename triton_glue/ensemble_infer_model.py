@@ -15,20 +15,13 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from contract.errors import INTERNAL_ERROR, OVERLOADED, classify
+from contract.errors import INTERNAL_ERROR, OVERLOADED
 from triton_glue.inflight import InFlight
 from triton_glue.stubs import DeathWatch
+from triton_glue.tensors import failure
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GUARD_SECONDS = 1.0
-
-
-CODES = {"internal": "INTERNAL", "overloaded": "UNAVAILABLE", "cancelled": "CANCELLED", "invalid": "INVALID_ARG"}
-
-
-def _error(message: str) -> "pb_utils.TritonError":
-    """The ensemble's error with its code back: BLS keeps only the message, which says which it was."""
-    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, CODES[classify(message)]))
 
 
 class TritonPythonModel:
@@ -57,7 +50,7 @@ class TritonPythonModel:
             ticket = self.in_flight.admit(sender)
             if ticket is None:
                 message = f"{OVERLOADED}{self.in_flight.limit} infer requests are in flight (max_in_flight); retry later"
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message)), flags=FINAL)
+                sender.send(failure(message), flags=FINAL)
                 continue
             # Copies: a request's own tensors are released when execute returns.
             tensors = (pb_utils.get_input_tensor_by_name(request, n) for n in self.inputs)
@@ -69,7 +62,7 @@ class TritonPythonModel:
         try:
             reply = self._call(inputs)
         except Exception as e:  # a failed BLS call must still answer its client
-            reply = pb_utils.InferenceResponse(output_tensors=[], error=_error(f"{INTERNAL_ERROR}{e}"))
+            reply = failure(f"{INTERNAL_ERROR}{e}")
         self._send(ticket, reply)
 
     def _send(self, ticket: int, reply: "pb_utils.InferenceResponse") -> None:
@@ -101,13 +94,11 @@ class TritonPythonModel:
         reply = None
         for response in call.exec(decoupled=True):
             if response.has_error():
-                reply = pb_utils.InferenceResponse(output_tensors=[], error=_error(response.error().message()))
+                reply = failure(response.error().message())
             elif response.output_tensors():
                 reply = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
         if reply is None:
-            reply = pb_utils.InferenceResponse(
-                output_tensors=[], error=_error(INTERNAL_ERROR + "ensemble returned no response")
-            )
+            reply = failure(INTERNAL_ERROR + "ensemble returned no response")
         return reply
 
     def finalize(self) -> None:

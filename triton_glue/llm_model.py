@@ -9,16 +9,16 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, InvalidInput, decode_utf8
+from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, STOPPING, UNAVAILABLE, InvalidInput, decode_utf8
 from contract.schema import FinishReason, request_fields
 from llm import LLM, LLMConfig, configure_threads
 from llm.compiles import COMPILATIONS, Progress
 from llm.sequence import Overloaded, Sequence
-from llm.service import EngineLoop
-from triton_glue import cancel
+from llm.service import Drain, EngineLoop, Ending, Stopping
+from triton_glue import cancel, drain
 from triton_glue.metrics import TritonMetrics
 from triton_glue.params import read_parameters
-from triton_glue.tensors import error_response, response, scalar, single
+from triton_glue.tensors import error_response, failure, response, scalar, single
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # The request fields LLM.validate takes as keyword arguments, one value each (contract/schema.py).
@@ -30,6 +30,17 @@ class Handle(NamedTuple):
 
     sender: "pb_utils.InferenceResponseSender"
     generation_id: str
+
+
+# What leads the message of each failed ending (contract/errors.py: the message carries its kind).
+FAILURE_PREFIX = {FinishReason.ERROR: INTERNAL_ERROR, FinishReason.OVERLOADED: OVERLOADED,
+                  FinishReason.UNAVAILABLE: UNAVAILABLE}
+
+
+def _failure(seq: Sequence) -> str:
+    if seq.finish_reason is FinishReason.CANCELLED:
+        return CANCELLED
+    return FAILURE_PREFIX[seq.finish_reason] + (seq.error or "")
 
 
 def _logprobs(seq: Sequence, start: int, end: int) -> dict[str, np.ndarray]:
@@ -76,7 +87,9 @@ class TritonPythonModel:
             )
             return engine
 
-        self.loop = EngineLoop(build, self._respond, self._is_cancelled, pb_utils.Logger.log_error)
+        self.server_pid = os.getppid()  # the tritonserver that started this stub
+        self.loop = EngineLoop(build, self._respond, self._ending, pb_utils.Logger.log_error, self._draining,
+                               self._drained)
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
         self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
 
@@ -92,7 +105,9 @@ class TritonPythonModel:
             try:
                 self.loop.submit(seq)
             except Overloaded as e:
-                sender.send(error_response(OVERLOADED + str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+                sender.send(failure(OVERLOADED + str(e)), flags=FINAL)
+            except Stopping:
+                sender.send(failure(STOPPING), flags=FINAL)
         return None
 
     def _validate(self, request):
@@ -107,22 +122,36 @@ class TritonPythonModel:
             tokenizer_fingerprint=None if fingerprint is None else decode_utf8("tokenizer_fingerprint", fingerprint),
         )
 
-    def _is_cancelled(self, seq: Sequence) -> bool:
-        return seq.handle.sender.is_cancelled() or cancel.take(seq.handle.generation_id)
+    def _ending(self, seq: Sequence) -> Ending | None:
+        if seq.handle.sender.is_cancelled():
+            return Ending(FinishReason.CANCELLED)
+        error = cancel.take(seq.handle.generation_id)
+        if error is None:
+            return None
+        return Ending(FinishReason.ERROR, error) if error else Ending(FinishReason.CANCELLED)
+
+    def _draining(self) -> Drain | None:
+        notice = drain.notice(self.server_pid)
+        return None if notice is None else Drain(notice.deadline, notice.seconds)
+
+    def _drained(self) -> None:
+        drain.done(os.getpid())
+        pb_utils.Logger.log_info("llm: drained: every request taken has had its final answer")
 
     def _respond(self, seq: Sequence) -> bool:
         """The responder thread's answer: the tail of the ids that postprocess needs to turn everything new
-        since the last answer into text (``TextTracker.window``), or an error. True when it was final."""
+        since the last answer into text (``TextTracker.window``), or an error. True when it was final.
+
+        A failure is llm's own error response only while nothing was sent: after that, postprocess steps
+        of this request may still be in flight, and Triton 2.51's ensemble never finishes a request whose
+        step fails while another step runs (its in-flight count never returns to 0; fixed in later
+        Triton). So a failure mid-stream travels as a final response carrying ``error``, and postprocess,
+        the last step, answers with it."""
         finished = seq.finished  # read before the ids: a finished sequence's ids are all there
         sender = seq.handle.sender
-        if seq.finish_reason is FinishReason.ERROR:
-            sender.send(error_response(INTERNAL_ERROR + seq.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
-            return True
-        if seq.finish_reason is FinishReason.OVERLOADED:
-            sender.send(error_response(OVERLOADED + seq.error, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
-            return True
-        if seq.finish_reason is FinishReason.CANCELLED:
-            sender.send(error_response(CANCELLED, pb_utils.TritonError.CANCELLED), flags=FINAL)
+        failed = finished and seq.finish_reason.failed
+        if failed and seq.sent_tokens == 0:  # every response of a stream before this one carried tokens
+            sender.send(failure(_failure(seq)), flags=FINAL)
             return True
         count = len(seq.output_ids)
         if count == seq.sent_tokens and not finished:
@@ -137,6 +166,7 @@ class TritonPythonModel:
             tokenizer_fingerprint=self.fingerprint,
             stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
             generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
+            error=np.array([[_failure(seq).encode() if failed else b""]], dtype=np.object_),
             **_logprobs(seq, start, count),
         ), flags=FINAL if finished else 0)
         seq.sent_tokens = count

@@ -1,14 +1,16 @@
 """Triton glue for ``preprocess``: tensors in, ``preprocess.Preprocessor`` does the work, tensors out."""
 
 import json
+import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from contract.errors import InvalidInput
+from contract.errors import STOPPING, InvalidInput
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
+from triton_glue import drain
 from triton_glue.params import read_parameters
-from triton_glue.tensors import error_response, response, scalar
+from triton_glue.tensors import error_response, failure, response, scalar
 
 
 class TritonPythonModel:
@@ -16,11 +18,16 @@ class TritonPythonModel:
         config = read_parameters(json.loads(args["model_config"]), PreprocessConfig)
         self.preprocessor = Preprocessor(config)
         self.fingerprint = np.array([[self.preprocessor.fingerprint]], dtype=np.object_)
+        self.server_pid = os.getppid()  # the tritonserver that started this stub
         pb_utils.Logger.log_info(
             f"preprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.preprocessor.fingerprint})"
         )
 
     def execute(self, requests: list) -> list:
+        """Each request's ids, or, once the server drains (``triton_glue/drain.py``), a refusal: the first
+        step is where a new request is turned away while those already taken finish."""
+        if drain.notice(self.server_pid) is not None:
+            return [failure(STOPPING) for _ in requests]
         return [self._respond(request) for request in requests]
 
     def _respond(self, request) -> "pb_utils.InferenceResponse":

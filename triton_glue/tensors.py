@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from contract.errors import InvalidInput
+from contract.errors import InvalidInput, classify
+
+# The code each kind of pipeline message travels with (contract.errors.classify).
+CODES = {"internal": "INTERNAL", "overloaded": "UNAVAILABLE", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED",
+         "invalid": "INVALID_ARG"}
 
 
 def single(request: "pb_utils.InferenceRequest", name: str) -> np.ndarray | None:
@@ -37,6 +41,15 @@ def error_response(error: Exception, code: int | None = None) -> "pb_utils.Infer
     """A per-request error: the rest of the batch is answered normally."""
     code = pb_utils.TritonError.INVALID_ARG if code is None else code
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error), code))
+
+
+def triton_error(message: str) -> "pb_utils.TritonError":
+    """A pipeline error with the code its message implies (``CODES``): BLS keeps only the message."""
+    return pb_utils.TritonError(message, getattr(pb_utils.TritonError, CODES[classify(message)]))
+
+
+def failure(message: str) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[], error=triton_error(message))
 
 
 def response(**outputs: np.ndarray) -> "pb_utils.InferenceResponse":

@@ -1,0 +1,72 @@
+"""A graceful stop, told to a tritonserver's models by whoever stops it, and llm's word that it is done.
+
+Triton 2.51 cannot drain a streaming ensemble itself: on SIGTERM every model's scheduler refuses new
+requests at once, postprocess's included, so each stream in flight fails at its next token. So whoever
+stops Triton (``launcher/triton.py``) first posts a notice named by the server's pid: preprocess refuses
+new requests (UNAVAILABLE), llm lets what it holds finish until the notice's deadline, ends the rest with
+an error, and leaves a note named by its stub's pid once it holds nothing. Only then does Triton get its
+SIGTERM, with nothing left in flight. Files in the cancel board's directory are the one channel every
+model instance and the launcher share without Triton in between.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_glue.cancel import BOARD
+
+
+@dataclass(frozen=True)
+class Notice:
+    deadline: float  # time.time() when whatever is still running gets an error
+    seconds: float  # the drain timeout it was posted with, for messages
+
+
+def _notice_path(server_pid: int) -> Path:
+    return BOARD / f"drain-{server_pid}"
+
+
+def _done_path(stub_pid: int) -> Path:
+    return BOARD / f"drained-{stub_pid}"
+
+
+def begin(server_pid: int, seconds: float) -> Notice:
+    """Tell ``server_pid``'s models to drain for up to ``seconds``."""
+    notice = Notice(time.time() + seconds, seconds)
+    BOARD.mkdir(parents=True, exist_ok=True)
+    draft = BOARD / f".drain-{server_pid}.{os.getpid()}"
+    draft.write_text(f"{notice.deadline} {notice.seconds}")
+    os.replace(draft, _notice_path(server_pid))
+    return notice
+
+
+def notice(server_pid: int) -> Notice | None:
+    """The drain notice of ``server_pid``, if one was posted."""
+    try:
+        deadline, seconds = _notice_path(server_pid).read_text().split()
+    except (FileNotFoundError, ValueError):
+        return None
+    return Notice(float(deadline), float(seconds))
+
+
+def posted() -> bool:
+    """Whether any server on this host (the one of a container) is draining."""
+    return any(BOARD.glob("drain-*"))
+
+
+def done(stub_pid: int) -> None:
+    """llm's stub ``stub_pid`` holds nothing any more: every request it took has had its final answer."""
+    _done_path(stub_pid).touch()
+
+
+def drained(stub_pids: list[int]) -> bool:
+    return all(_done_path(pid).exists() for pid in stub_pids)
+
+
+def clear(server_pid: int, stub_pids: list[int]) -> None:
+    """Remove the notice and the notes once the server is gone (pids are reused)."""
+    for path in [_notice_path(server_pid), *map(_done_path, stub_pids)]:
+        path.unlink(missing_ok=True)
