@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 ADMIN_HEADER = "admin-key"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # Triton prefixes gRPC restriction headers
+RESTRICTED = "This protocol is restricted"  # Triton's refusal, whether the key is missing or wrong
 
 
 def reload_with_config(grpc_url: str, model: str, edit: Callable[[dict], None], change: str,
@@ -45,9 +46,21 @@ def reload_with_config(grpc_url: str, model: str, edit: Callable[[dict], None], 
             client.unload_model(model, headers=headers, client_timeout=timeout)
         client.load_model(model, headers=headers, config=json.dumps(config), client_timeout=timeout)
     except InferenceServerException as e:
+        if RESTRICTED in (e.message() or ""):
+            raise RuntimeError(f"loading {model} with {change} failed: {key_problem(key)}") from None
         raise RuntimeError(f"loading {model} with {change} failed: {reason(e.message())}") from None
     finally:
         client.close()
+
+
+def key_problem(key: str) -> str:
+    """What to do when Triton refused the repository API for want of the right admin key."""
+    if not key:
+        return ("the server's model repository API needs its admin key and none was given: set ADMIN_KEY (or pass "
+                "--admin-key) to the ADMIN_KEY the server was started with (a server started without one has a "
+                "random key: restart it with ADMIN_KEY set)")
+    return ("the admin key given (ADMIN_KEY or --admin-key) is not the server's: use the ADMIN_KEY the server was "
+            "started with")
 
 
 def reason(message: str) -> str:

@@ -58,6 +58,8 @@ SETTLED_GRACE = 3.0  # seconds a stopping process gets to exit on its own once i
 # (DRAIN_TIMEOUT); compose's stop_grace_period and Kubernetes' terminationGracePeriodSeconds leave room for it.
 DEFAULT_DRAIN_TIMEOUT = 30.0
 DRAIN_SLACK = 5.0  # past the drain timeout, for the errors that end what was left to reach their clients
+# After a drain, unloading and exiting (SETTLED_GRACE included); measured under 6 s on 2 cores.
+EXIT_AFTER_DRAIN = 10.0
 
 
 def drain_timeout() -> float:

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from contract.errors import STOPPING, UNAVAILABLE
 from openai_frontend.schemas import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta,
     ChatLogprobs, ChatMessage, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, Error,
-    ErrorResponse, GenerationFields, Model, ModelList, UnsupportedField, Usage, refuse_unsupported,
+    ErrorResponse, FieldError, GenerationFields, Model, ModelList, UnsupportedField, Usage, without_unsupported,
 )
 from openai_frontend.shutdown import Drain
 from openai_frontend.triton import PipelineError, Triton
@@ -40,8 +41,12 @@ TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens (never lengthens) the 
 RETRY_AFTER_SECONDS = 1
 log = logging.getLogger("openai_frontend")
 STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499, "timeout": 504}
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               503: "service_unavailable", 504: "timeout", 500: "internal_error", 499: "cancelled"}
+# OpenAI's: every client mistake is an invalid_request_error (the code says which), a failure of ours a
+# server_error; overload and a deadline keep names of their own, as vLLM's do.
+ERROR_TYPES = {503: "service_unavailable", 504: "timeout"}
+# The pipeline names the field at fault first in its messages; these are the names clients sent.
+SAMPLING_NAMES = {n: n for n in ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
+                                 "frequency_penalty", "seed", "stop", "ignore_eos")}
 
 
 @dataclass(frozen=True)
@@ -60,16 +65,27 @@ class APIError(Exception):
         self.status, self.param, self.code = status, param, code
 
     @classmethod
-    def of(cls, error: PipelineError) -> "APIError":
-        return cls(STATUS[error.kind], str(error), code=None if error.kind == "invalid" else error.kind)
+    def of(cls, error: PipelineError, names: dict[str, str]) -> "APIError":
+        """The pipeline's error in the client's words: the field it names first (an input tensor, such as
+        ``text_input``) becomes the one the client sent (``prompt``), and ``param``."""
+        message, param = str(error), None
+        field = re.match(r"[a-z_]+", message) if error.kind == "invalid" else None
+        if field and field.group() in names:
+            param = names[field.group()]
+            message = param + message[field.end():]
+        return cls(STATUS[error.kind], message, param, code=None if error.kind == "invalid" else error.kind)
 
     def body(self) -> dict:
-        error = Error(message=str(self), type=ERROR_TYPES.get(self.status, "error"), param=self.param, code=self.code)
-        return ErrorResponse(error=error).model_dump()
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return ErrorResponse(error=Error(message=str(self), type=kind, param=self.param, code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
         retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
         return JSONResponse(self.body(), status_code=self.status, headers=retry)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
 
 
 class Metrics:
@@ -179,15 +195,20 @@ class CompletionReply(Reply):
             top_logprobs=[{t["token"]: t["logprob"] for t in i["top_logprobs"]} for i in items], text_offset=offsets,
         )
 
+    def _echo(self, index: int) -> str:
+        """With ``echo``, the prompt choice ``index`` continues, before its first text."""
+        return self.body.prompts()[index // self.body.n] if self.body.echo else ""
+
     def chunk(self, index, piece, first):
-        choice = CompletionChoice(index=index, text=piece.text_output, logprobs=self._logprobs(index, piece.token_logprobs),
+        text = (self._echo(index) if first else "") + piece.text_output
+        choice = CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, piece.token_logprobs),
                                   finish_reason=piece.finish_reason or None)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
             exclude=None if self.body.include_usage else {"usage"})
 
     def whole(self, choices, usage):
         return Completion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            CompletionChoice(index=i, text=text, logprobs=self._logprobs(i, items), finish_reason=reason)
+            CompletionChoice(index=i, text=self._echo(i) + text, logprobs=self._logprobs(i, items), finish_reason=reason)
             for i, (text, reason, items) in enumerate(choices)
         ]).model_dump()
 
@@ -272,6 +293,12 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {type(error).__name__}: {error}", code="internal").response()
 
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, error: ClientGone) -> Response:
+        """One line, not a traceback: a client that leaves is not a failure of ours."""
+        log.info("%s: the client went away before its answer; its generations are cancelled", request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(404)
     async def not_found(request: Request, error: Exception) -> JSONResponse:
         return APIError(404, f"no route {request.method} {request.url.path}").response()
@@ -310,8 +337,10 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         deadline = Deadline(request, settings)
         body = await _parse(request, ChatCompletionRequest, settings)
         base = {"messages": body.conversation(), "logprobs": body.logprobs or None, "top_logprobs": body.top_logprobs}
+        names = {**SAMPLING_NAMES, "text_input": "messages", "prompt": "messages", "messages": "messages",
+                 "max_tokens": body.budget_name, "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
         return await _answer(request, ChatReply(body, settings.model_name), [_pipeline_prompts(body, base, body.n)],
-                             deadline, "/v1/chat/completions")
+                             deadline, "/v1/chat/completions", names)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -320,9 +349,13 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         base = {"apply_chat_template": False, "logprobs": True if body.logprobs is not None else None,
                 "top_logprobs": body.logprobs}
         groups = [_pipeline_prompts(body, {**base, "text_input": text}, body.n) for text in body.prompts()]
-        return await _answer(request, CompletionReply(body, settings.model_name), groups, deadline, "/v1/completions")
+        names = {**SAMPLING_NAMES, "text_input": "prompt", "prompt": "prompt", "max_tokens": "max_tokens",
+                 "logprobs": "logprobs", "top_logprobs": "logprobs"}
+        return await _answer(request, CompletionReply(body, settings.model_name), groups, deadline, "/v1/completions",
+                             names)
 
-    async def _answer(request: Request, reply: Reply, groups: list[list[Prompt]], deadline: Deadline, route: str) -> Response:
+    async def _answer(request: Request, reply: Reply, groups: list[list[Prompt]], deadline: Deadline, route: str,
+                      names: dict[str, str]) -> Response:
         """Start every generation (``groups``: the n prompts of each client prompt, choices numbered in
         that order), then answer whole or as a stream."""
         start = time.perf_counter()
@@ -343,7 +376,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
 
         async def next_piece() -> tuple[int, Chunk | PipelineError]:
             """The next piece of any generation; raises APIError at the deadline or when a drain runs out,
-            and CancelledError when the client went away."""
+            and ClientGone when the client went away."""
             getter = asyncio.ensure_future(merged.get())
             try:
                 timeout = deadline.at - asyncio.get_running_loop().time()
@@ -355,7 +388,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
             if getter in done:
                 return getter.result()
             if watcher in done:
-                raise asyncio.CancelledError("the client disconnected")
+                raise ClientGone()
             if cut in done:
                 raise APIError(503, f"{UNAVAILABLE}the server is stopping and its drain timeout "
                                     f"({drain.seconds:g} s) ended this reply; retry", code="unavailable")
@@ -391,7 +424,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         async def more() -> list[tuple[int, Chunk]]:
             index, item = await next_piece()
             if isinstance(item, PipelineError):
-                raise APIError.of(item)
+                raise APIError.of(item, names)
             return [(index, item)]
 
         # Every generation's first piece before answering: the pipeline's refusals become the status.
@@ -444,6 +477,11 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
                     yield _sse(reply.usage_chunk(usage))
             except APIError as e:
                 yield _sse(e.body())
+            except (ClientGone, asyncio.CancelledError) as gone:  # seen by our watcher, or by Starlette's
+                log.info("%s: the client went away during a stream; its generations are cancelled", route)
+                if isinstance(gone, asyncio.CancelledError):
+                    raise
+                return
             finally:
                 await close()
             yield _sse("[DONE]")
@@ -481,10 +519,10 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        refuse_unsupported(data)
-        body = schema.model_validate(data)
-    except UnsupportedField as e:
-        raise APIError(400, str(e), e.field, "unsupported_field") from None
+        body = schema.model_validate(without_unsupported(data))
+        body.check()
+    except FieldError as e:
+        raise APIError(400, str(e), e.field, "unsupported_field" if isinstance(e, UnsupportedField) else None) from None
     except ValidationError as e:
         # The most specific error (a union reports each member's; on a tie its list form), its location
         # without the member names.

@@ -2,55 +2,68 @@
 
 Requests are strict: a wrong type is the client's error (``"max_tokens": "5"`` is refused, not coerced),
 and every field OpenAI defines that this server does not do is refused by name (``UNSUPPORTED``) instead
-of being silently ignored. Ranges are not checked here: the pipeline checks them and its messages reach
+of being silently ignored (its absent, null and "off" values are accepted). Ranges are not checked here: the pipeline checks them and its messages reach
 the client unchanged, so the limits live in one place (llm's config). Our extensions (``top_k``,
 ``repetition_penalty``, ``ignore_eos``) are accepted beside OpenAI's fields, as vLLM accepts them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 8  # choices per request: each is a generation of its own in llm's batch
 
-# OpenAI fields this server does not implement, and why a client should not expect them to work.
-UNSUPPORTED = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
-    "logit_bias": "logit_bias is not supported",
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "reasoning_effort": "this model does not reason",
-    "service_tier": "service tiers are not supported",
-    "store": "stored completions are not supported",
-    "metadata": "stored completions are not supported",
-    "best_of": "best_of is not supported; use n",
-    "echo": "echo is not supported",
-    "suffix": "suffix (insertion) is not supported",
+def _absent(value: object) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# OpenAI fields this server does not implement: which of their values mean "off" (accepted, then
+# dropped, as OpenAI's own defaults must be), and why any other value is refused.
+UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
+    "tools": (_absent, "tool calling is not supported by this server"),
+    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported by this server"),
+    "functions": (_absent, "function calling is not supported by this server"),
+    "function_call": (lambda v: v is None or v == "none", "function calling is not supported by this server"),
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),  # moot without tools
+    "logit_bias": (_absent, "logit_bias is not supported by this server"),
+    "audio": (_absent, "audio output is not supported by this server"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is supported by this server"),
+    "prediction": (_absent, "predicted outputs are not supported by this server"),
+    "web_search_options": (_absent, "web search is not supported by this server"),
+    "reasoning_effort": (_absent, "this model does not reason"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier is served"),
+    "store": (lambda v: v is None or v is False, "stored completions are not supported by this server"),
+    "metadata": (lambda v: v is None or isinstance(v, dict), "must be an object"),  # tags for stored completions
+    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "best_of above 1 is not supported by this server; use n"),
+    "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported by this server"),
 }
 
 
-class UnsupportedField(Exception):
-    """A field OpenAI defines that this server refuses rather than ignores."""
+class FieldError(Exception):
+    """A field of the request is at fault; the message names it."""
 
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"{field}: {why} by this server")
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
         self.field = field
 
 
-def refuse_unsupported(body: dict) -> None:
-    """Name the first OpenAI field in ``body`` that this server does not do (absent, null or off is fine)."""
-    for name, why in UNSUPPORTED.items():
-        value = body.get(name)
-        if value not in (None, False, [], {}) and not (name == "best_of" and value == 1):
+class UnsupportedField(FieldError):
+    """A field OpenAI defines that this server refuses rather than ignores."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(field, f"{field}: {why}")
+
+
+def without_unsupported(body: dict) -> dict:
+    """``body`` without the OpenAI fields this server does not do that are absent, null or off; raises
+    ``UnsupportedField`` naming the first one that is on."""
+    for name, (off, why) in UNSUPPORTED.items():
+        if name in body and not off(body[name]):
             raise UnsupportedField(name, why)
+    return {k: v for k, v in body.items() if k not in UNSUPPORTED}
 
 
 class Strict(BaseModel):
@@ -99,11 +112,10 @@ class GenerationFields(Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "GenerationFields":
+    def check(self) -> None:
+        """What the field types cannot say; raises ``FieldError``."""
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
-        return self
+            raise FieldError("stream_options", "stream_options is only allowed with stream=true")
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -124,11 +136,17 @@ class ChatCompletionRequest(GenerationFields):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
 
-    @model_validator(mode="after")
-    def _one_budget(self) -> "ChatCompletionRequest":
+    def check(self) -> None:
+        super().check()
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
-        return self
+            raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one of them")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs is only allowed with logprobs=true")
+
+    @property
+    def budget_name(self) -> str:
+        """The field the client set its reply budget with, for messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def budget(self) -> int | None:
@@ -142,10 +160,21 @@ class ChatCompletionRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]  # token-id prompts are refused
     logprobs: int | None = None  # the legacy API's: how many top alternatives, 0 to 5
+    echo: bool = False  # the prompt before the reply, in the text and (with logprobs) the logprobs
 
     @property
     def budget(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def budget_name(self) -> str:
+        return "max_tokens"
+
+    def check(self) -> None:
+        super().check()
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedField("echo", "echo with logprobs (the prompt's log-probabilities) is not supported by "
+                                           "this server; send echo or logprobs")
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)

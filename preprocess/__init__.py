@@ -92,6 +92,4 @@ class Preprocessor:
                 raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message['role']!r}")
             if not isinstance(message["content"], str):
                 raise InvalidInput(f"messages[{i}].content must be a string")
-        if not any(m["role"] == "user" for m in messages):
-            raise InvalidInput("messages must hold at least one user message")
-        return messages
+        return messages  # a system message alone is a conversation too (OpenAI answers it)

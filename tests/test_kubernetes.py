@@ -20,8 +20,9 @@ import requests
 import yaml
 
 from launcher.model import DEFAULT_MODEL_DIR
-from launcher.triton import (CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env,
-                             wait_healthy)
+from launcher.triton import (CACHE_DIR, COMPILE_CACHE, DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN, MODEL_REPOSITORY, REPO_ROOT, Ports,
+                             TritonServer, install_tritonserver, server_env, wait_healthy)
+from openai_frontend.shutdown import MARGIN
 
 K8S = REPO_ROOT / "deploy" / "kubernetes"
 SCHEMAS = K8S / "schemas"
@@ -209,9 +210,12 @@ def test_volumes_match_compose_and_the_drain(rendered):
     assert f"compile-cache:{mounts['compile-cache']}" in compose["volumes"]
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         assert env[name] == image_env[name] and Path(env[name]).parent == Path(mounts["compile-cache"]), name
-    exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", (REPO_ROOT / "docker" / "entrypoint.sh").read_text()).group(1))
-    pause = int(containers(rendered)["triton"]["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert pod["terminationGracePeriodSeconds"] > pause + exit_timeout
+    # A rolling update never cuts a stream: each container's preStop pause, its drain and its exit fit.
+    drain = float(environment(rendered, containers(rendered)["triton"])["DRAIN_TIMEOUT"])
+    for name, after in (("triton", DRAIN_SLACK + EXIT_AFTER_DRAIN), ("openai", MARGIN + EXIT_AFTER_DRAIN)):
+        pause = int(containers(rendered)[name]["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert float(environment(rendered, containers(rendered)[name])["DRAIN_TIMEOUT"]) == drain
+        assert pod["terminationGracePeriodSeconds"] >= pause + drain + after, name
 
 
 def test_the_budget_and_autoscaler_select_the_pods_of_the_deployment(rendered):
@@ -275,6 +279,8 @@ def test_kserve_runs_this_image_on_the_same_model_volume():
     assert container["image"] == containers(render("cpu"))["triton"]["image"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert [int(env["HTTP_PORT"])] == [p["containerPort"] for p in container["ports"]]  # KServe's 8080
+    drain = float(env.get("DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT))  # the launcher's default, unless set
+    assert isvc["spec"]["predictor"]["terminationGracePeriodSeconds"] >= drain + DRAIN_SLACK + EXIT_AFTER_DRAIN
 
 
 # Against a running server
@@ -352,16 +358,10 @@ def test_the_entrypoint_serves_with_the_deployments_environment_and_its_probes_p
 
 
 def pod_memory(pid: int) -> int:
-    """Resident bytes of tritonserver, its stubs and the watchdog: what the triton container holds."""
-    group = [p for p in psutil.process_iter(["pid"]) if _group(p.pid) == os.getpgid(pid)]
-    return sum(p.memory_info().rss for p in group)
-
-
-def _group(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
+    """Resident bytes of the container's main process (launcher supervise, with the watchdog), tritonserver
+    and its stubs: what the triton container holds."""
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
 
 def quantity(value: str) -> int:

@@ -19,7 +19,8 @@ import tritonclient.http as httpclient
 from client import Prompt, build_inputs
 from contract import schema
 from contract.schema import Field
-from launcher.triton import MODEL_REPOSITORY, REPO_ROOT
+from launcher.triton import DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN, MODEL_REPOSITORY, REPO_ROOT
+from openai_frontend.shutdown import MARGIN
 
 SCHEMA = REPO_ROOT.parent / "shared" / "schemas" / "compose-spec.json"
 PORTS = {8000, 8001, 8002}
@@ -193,6 +194,19 @@ def test_compose_keeps_the_compile_cache_where_the_image_puts_it(compose, docker
         path = re.search(rf"\b{name}=(\S+)", dockerfile).group(1)
         assert Path(path).parent == Path(target), name
     assert f"mkdir -p {target}" in dockerfile  # so the new volume takes the image's owner, not root's
+
+
+def seconds(duration: str) -> float:
+    return float(re.fullmatch(r"(\d+)s", duration).group(1))
+
+
+def test_compose_gives_each_service_its_drain(compose):
+    """docker compose stop/down sends SIGTERM, then SIGKILL past stop_grace_period: each service's period
+    covers its drain (DRAIN_TIMEOUT, the launcher's default) and its exit after it, so no stream is cut."""
+    for name, after in (("triton", DRAIN_SLACK + EXIT_AFTER_DRAIN), ("openai", MARGIN + EXIT_AFTER_DRAIN)):
+        service = compose["services"][name]
+        assert service["environment"]["DRAIN_TIMEOUT"] == f"${{DRAIN_TIMEOUT:-{DEFAULT_DRAIN_TIMEOUT:g}}}", name
+        assert seconds(service["stop_grace_period"]) >= DEFAULT_DRAIN_TIMEOUT + after, name
 
 
 def test_compose_publishes_tritons_ports_and_checks_readiness(compose, dockerfile):

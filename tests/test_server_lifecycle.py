@@ -21,13 +21,10 @@ import tritonclient.grpc as grpcclient
 
 from client import ChatClient, Prompt, build_inputs
 from conftest import metric_value, running_frontend, running_server
-from launcher.triton import REPO_ROOT, Ports, wait_healthy
+from launcher.triton import EXIT_AFTER_DRAIN, REPO_ROOT, Ports, wait_healthy
 
 STORY = "Tell me a long story about a lighthouse keeper and the sea."
 STOP_SECONDS = 5.0  # SIGTERM to exit, with nothing in flight
-# After a drain: unloading, and the launcher's grace (SETTLED_GRACE) when a client keeps an idle keep-alive
-# HTTP connection open, which Triton 2.51 would wait out for its whole exit timeout.
-EXIT_AFTER_DRAIN = 8.0
 LEAK_LINES = ("Exit timeout expired", "Non-graceful termination")
 
 

@@ -220,16 +220,21 @@ def test_a_list_of_prompts_gives_a_choice_each(openai_client, model):
     ({"response_format": {"type": "json_object"}}, 400, "response_format.type", None),
     ({"logit_bias": {"1": 5}}, 400, "logit_bias", "logit_bias is not supported"),
     ({"audio": {"voice": "alloy"}}, 400, "audio", "not supported"),
-    ({"stream_options": {"include_usage": True}}, 400, None, "only allowed with stream=true"),
-    ({"max_tokens": 100000}, 400, None, "max_tokens must be in [1, 512], got 100000"),
-    ({"max_tokens": 4, "max_completion_tokens": 5}, 400, None, "disagree"),
-    ({"top_logprobs": 2}, 400, None, "top_logprobs=2 needs logprobs=true"),
-    ({"logprobs": True, "top_logprobs": 6}, 400, None, "top_logprobs must be in [0, 5], got 6"),
-    ({"presence_penalty": 3}, 400, None, "presence_penalty must be in [-2.0, 2.0], got 3.0"),
-    ({"temperature": 2.5}, 400, None, "temperature must be in [0.0, 2.0]"),
-    ({"stop": ["x"] * 9}, 400, None, "stop holds 9 strings; the limit is 8"),
-    ({"seed": -1}, 400, None, "seed must be in [0,"),
-    ({"messages": [{"role": "user", "content": "x" * 70000}]}, 400, None, "the limit is 65536 bytes"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream=true"),
+    ({"max_tokens": 100000}, 400, "max_tokens", "max_tokens must be in [1, 512], got 100000"),
+    ({"max_tokens": DROP, "max_completion_tokens": 100000}, 400, "max_completion_tokens",
+     "max_completion_tokens must be in [1, 512]"),
+    ({"max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens", "disagree"),
+    ({"top_logprobs": 2}, 400, "top_logprobs", "top_logprobs is only allowed with logprobs=true"),
+    ({"top_logprobs": 0}, 400, "top_logprobs", "top_logprobs is only allowed with logprobs=true"),
+    ({"logprobs": True, "top_logprobs": 6}, 400, "top_logprobs", "top_logprobs must be in [0, 5], got 6"),
+    ({"presence_penalty": 3}, 400, "presence_penalty", "presence_penalty must be in [-2.0, 2.0], got 3.0"),
+    ({"temperature": 2.5}, 400, "temperature", "temperature must be in [0.0, 2.0]"),
+    ({"stop": ["x"] * 9}, 400, "stop", "stop holds 9 strings; the limit is 8"),
+    ({"seed": -1}, 400, "seed", "seed must be in [0,"),
+    ({"messages": [{"role": "user", "content": "x" * 70000}]}, 400, "messages", "messages is 7"),
+    ({"store": True}, 400, "store", "stored completions are not supported"),
+    ({"service_tier": "flex"}, 400, "service_tier", "only the default service tier"),
     ({"model": "nope"}, 404, "model", "does not exist"),
 ])
 def test_client_mistakes_are_openai_errors_naming_the_field(openai_frontend, model, body, status, param, message):
@@ -244,14 +249,61 @@ def test_client_mistakes_are_openai_errors_naming_the_field(openai_frontend, mod
         assert reply.status_code == status, (stream, reply.text)
         error = error_of(reply)
         assert error["param"] == param and (message is None or message in error["message"]), error
-        assert error["type"] == "invalid_request_error"
+        assert error["type"] == "invalid_request_error" and "Value error" not in error["message"]
 
 
 def test_unsupported_completion_fields_are_refused(openai_frontend, model):
-    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 2), ("prompt", []), ("prompt", [[1, 2]]),
-                         ("prompt", ["a"] * 9)):
+    for field, value in (("suffix", "x"), ("best_of", 2), ("prompt", []), ("prompt", [[1, 2]]), ("prompt", ["a"] * 9),
+                         ("echo", "yes")):
         reply = post(openai_frontend, "completions", {"model": model, "prompt": "Hi", field: value})
         assert reply.status_code == 400 and error_of(reply)["param"].startswith(field), (field, value, reply.text)
+
+
+def test_a_prompt_too_long_is_named_as_the_client_sent_it(openai_frontend, model):
+    reply = post(openai_frontend, "completions", {"model": model, "prompt": "x" * 70000, "max_tokens": 2})
+    error = error_of(reply)
+    assert reply.status_code == 400 and error["param"] == "prompt" and error["message"].startswith("prompt is 70000 bytes")
+    assert "text_input" not in error["message"]
+
+
+# What OpenAI accepts, accepted
+
+
+def test_absent_null_and_off_values_of_fields_this_server_does_not_do_are_accepted(openai_frontend, openai_client, model):
+    """As the official client and Triton's own OpenAI test suite send them."""
+    reply = openai_client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=4, logit_bias={}, tools=[], parallel_tool_calls=False, store=False,
+        metadata={"team": "a"}, service_tier="auto", user="u-1", tool_choice="none", modalities=["text"])
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 4
+    nulls = post(openai_frontend, "chat/completions", {
+        "model": model, "messages": CHAT, "max_tokens": 2, "logit_bias": None, "tools": None, "tool_choice": None,
+        "functions": None, "function_call": None, "audio": None, "prediction": None, "reasoning_effort": None,
+        "response_format": {"type": "text"}, "user": None})
+    assert nulls.status_code == 200, nulls.text
+    completion = openai_client.completions.create(model=model, prompt="Hi", max_tokens=4, echo=False, best_of=1,
+                                                  suffix=None, logit_bias=None, user="u-1")
+    assert completion.choices[0].text and completion.usage.completion_tokens == 4
+
+
+def test_echo_puts_the_prompt_before_the_reply_whole_and_streamed(openai_client, model):
+    prompt = "The capital of France is"
+    plain = openai_client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    echoed = openai_client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    streamed_text = "".join(c.choices[0].text for c in openai_client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed_text == echoed.choices[0].text
+
+
+def test_a_system_message_alone_is_answered(openai_client, model):
+    reply = openai_client.chat.completions.create(
+        model=model, max_tokens=8, messages=[{"role": "system", "content": "Greet the user."}])
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens > 3
+
+
+def test_a_method_not_allowed_is_an_invalid_request_error(openai_frontend):
+    reply = requests.get(f"{openai_frontend.url}/v1/chat/completions", timeout=30)
+    assert reply.status_code == 405 and error_of(reply)["type"] == "invalid_request_error"
 
 
 def test_the_official_client_raises_bad_request_with_the_pipelines_message(openai_client, model):
@@ -306,6 +358,8 @@ def test_a_client_that_disconnects_frees_its_row(openai_frontend, model, llm_met
     assert llm_metric("llm_requests_running") == 0
     assert llm_metric("llm_generation_tokens_total") == settled  # nothing generates for the gone client ...
     assert settled - before < 512  # ... which was stopped before its 512 tokens
+    log = openai_frontend.log_path.read_text(errors="replace")
+    assert "the client went away" in log and "Traceback" not in log  # one line each, no stack
 
 
 def test_the_front_end_has_its_own_prometheus_metrics(openai_frontend, openai_client, model):

@@ -60,6 +60,20 @@ def test_inference_health_metadata_and_statistics_need_no_key(server, http_url, 
     assert requests.get(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=30).status_code == 200
 
 
+@pytest.mark.parametrize("key, says", [("", "none was given: set ADMIN_KEY"), ("not-the-key", "is not the server's")])
+def test_the_swap_command_says_when_the_admin_key_is_missing_or_wrong(server, grpc_url, model_dir, key, says, monkeypatch,
+                                                                       capsys):
+    """``python -m client.admin swap-tokenizer`` as an operator runs it, with ADMIN_KEY unset or wrong."""
+    from client.admin import main
+
+    monkeypatch.setenv("ADMIN_KEY", key)
+    before = server.loads("preprocess")
+    assert main(["swap-tokenizer", str(model_dir), "--url", grpc_url]) == 1
+    error = capsys.readouterr().err
+    assert says in error and "ADMIN_KEY" in error and "Traceback" not in error, error
+    assert server.loads("preprocess") == before
+
+
 def test_authenticated_tokenizer_swap_reloads_preprocess(server, grpc_url, model_dir, generate):
     before = server.loads("preprocess")
     swap_tokenizer(grpc_url, str(model_dir), admin_key=server.admin_key)

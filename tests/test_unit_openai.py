@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from client import Chunk
 from openai_frontend.__main__ import api_keys
 from openai_frontend.app import ChatReply, CompletionReply, _pipeline_prompts, _union_member
-from openai_frontend.schemas import ChatCompletionRequest, CompletionRequest, UnsupportedField, Usage, refuse_unsupported
+from openai_frontend.schemas import (ChatCompletionRequest, CompletionRequest, FieldError, UnsupportedField, Usage,
+                                     without_unsupported)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -19,21 +22,37 @@ def test_types_are_strict_not_coerced():
     assert ChatCompletionRequest.model_validate({**CHAT, "temperature": 1}).temperature == 1.0  # an int is a number
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{}]), ("logit_bias", {"1": 2}), ("best_of", 2), ("echo", True)])
+@pytest.mark.parametrize("field, value", [("tools", [{}]), ("logit_bias", {"1": 2}), ("best_of", 2), ("best_of", True),
+                                          ("store", True), ("suffix", "x"), ("service_tier", "flex"), ("metadata", "x"),
+                                          ("tool_choice", "auto"), ("parallel_tool_calls", "yes")])
 def test_unsupported_fields_are_named(field, value):
     with pytest.raises(UnsupportedField) as e:
-        refuse_unsupported({**CHAT, field: value})
-    assert e.value.field == field
+        without_unsupported({**CHAT, field: value})
+    assert e.value.field == field and str(e.value).startswith(f"{field}: ")
 
 
-def test_unsupported_fields_that_are_off_pass():
-    refuse_unsupported({**CHAT, "tools": None, "logit_bias": {}, "best_of": 1, "echo": False})
+OFF = {"tools": None, "logit_bias": {}, "best_of": 1, "suffix": None, "store": False, "metadata": {"team": "a"},
+       "service_tier": "auto", "parallel_tool_calls": True, "tool_choice": "none", "functions": [], "modalities": ["text"]}
+
+
+@pytest.mark.parametrize("field, value", [*OFF.items(), ("tools", []), ("logit_bias", None), ("parallel_tool_calls", False)])
+def test_unsupported_fields_that_are_absent_null_or_off_are_dropped(field, value):
+    assert without_unsupported({**CHAT, field: value}) == CHAT
 
 
 def test_max_completion_tokens_is_the_budget_and_must_agree_with_max_tokens():
     assert ChatCompletionRequest.model_validate({**CHAT, "max_completion_tokens": 7}).budget == 7
-    with pytest.raises(ValidationError, match="disagree"):
-        ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 6, "max_completion_tokens": 7})
+    with pytest.raises(FieldError, match="disagree") as e:
+        ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 6, "max_completion_tokens": 7}).check()
+    assert e.value.field == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("top_logprobs", [0, 2])
+def test_top_logprobs_needs_logprobs(top_logprobs):
+    with pytest.raises(FieldError, match="logprobs=true") as e:
+        ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": top_logprobs}).check()
+    assert e.value.field == "top_logprobs"
+    ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": top_logprobs, "logprobs": True}).check()
 
 
 def test_developer_messages_and_text_parts_reach_the_template_as_system_and_text():
@@ -53,8 +72,9 @@ def test_n_prompts_are_seeded_seed_and_up_and_temperature_defaults_to_one():
 
 
 def test_stream_options_need_stream():
-    with pytest.raises(ValidationError, match="stream=true"):
-        ChatCompletionRequest.model_validate({**CHAT, "stream_options": {"include_usage": True}})
+    with pytest.raises(FieldError, match="stream=true") as e:
+        ChatCompletionRequest.model_validate({**CHAT, "stream_options": {"include_usage": True}}).check()
+    assert e.value.field == "stream_options"
 
 
 ITEM = {"token": " Paris", "bytes": list(b" Paris"), "logprob": -0.25,
@@ -112,6 +132,7 @@ def test_a_body_nested_too_deeply_is_a_client_error():
     ("Exceeds maximum queue size", 503, "overloaded"),
     ("internal error: generation failed: boom", 500, "internal"),
     ("in ensemble 'ensemble', max_tokens must be in [1, 512], got 0", 400, None),
+    ("unavailable: the server is stopping and takes no new requests; retry", 503, "unavailable"),
 ])
 def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, status, code):
     from tritonclient.utils import InferenceServerException
@@ -119,7 +140,27 @@ def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, sta
     from openai_frontend.app import APIError
     from openai_frontend.triton import _error
 
-    error = APIError.of(_error(InferenceServerException(msg=message)))
+    error = APIError.of(_error(InferenceServerException(msg=message)), {})
     response = error.response()
     assert (error.status, error.code) == (status, code) and not str(error).startswith("in ensemble")
     assert response.headers.get("Retry-After") == ("1" if status == 503 else None)
+    assert json.loads(response.body)["error"]["type"] in ("invalid_request_error", "server_error", "service_unavailable")
+
+
+@pytest.mark.parametrize("message, names, expected, param", [
+    ("text_input is 2097152 bytes; the limit is 1048576 bytes (max_input_bytes)", {"text_input": "prompt"},
+     "prompt is 2097152 bytes; the limit is 1048576 bytes (max_input_bytes)", "prompt"),
+    ("max_tokens must be in [1, 512], got 600", {"max_tokens": "max_completion_tokens"},
+     "max_completion_tokens must be in [1, 512], got 600", "max_completion_tokens"),
+    ("messages[0].role must be one of system, user, assistant, got 'x'", {"messages": "messages"},
+     "messages[0].role must be one of system, user, assistant, got 'x'", "messages"),
+    ("the tokenizer has no chat template", {"text_input": "prompt"}, "the tokenizer has no chat template", None),
+])
+def test_pipeline_errors_name_the_field_the_client_sent(message, names, expected, param):
+    from tritonclient.utils import InferenceServerException
+
+    from openai_frontend.app import APIError
+    from openai_frontend.triton import _error
+
+    error = APIError.of(_error(InferenceServerException(msg=f"in ensemble 'ensemble', {message}")), names)
+    assert (str(error), error.param) == (expected, param)

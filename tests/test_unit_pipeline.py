@@ -96,7 +96,6 @@ def test_messages_carry_a_whole_conversation_through_the_chat_template(preproces
         (PromptRequest(messages=b'[{"role": "user"}]'), r"messages\[0\] must be an object with exactly the keys role and content"),
         (PromptRequest(messages=b'[{"role": "tool", "content": "x"}]'), r"messages\[0\].role must be one of system, user, assistant"),
         (PromptRequest(messages=b'[{"role": "user", "content": 5}]'), r"messages\[0\].content must be a string"),
-        (PromptRequest(messages=b'[{"role": "system", "content": "x"}]'), "at least one user message"),
         (PromptRequest(messages=b'[{"role": "user", "content": "x"}]', apply_chat_template=False), "messages needs apply_chat_template=true"),
         (PromptRequest(messages=b"[" + b"1," * 600 + b"1]"), "messages is 1203 bytes; the limit is 1000 bytes"),
     ],
@@ -104,6 +103,12 @@ def test_messages_carry_a_whole_conversation_through_the_chat_template(preproces
 def test_bad_prompts_name_the_field(preprocessor, request_, message):
     with pytest.raises(InvalidInput, match=message):
         preprocessor.encode(request_)
+
+
+def test_a_system_message_alone_is_a_conversation(preprocessor):
+    """OpenAI answers one, and so does the chat template: the system turn, then the assistant's."""
+    alone = preprocessor.encode(PromptRequest(messages=b'[{"role": "system", "content": "Be brief."}]'))
+    assert alone == preprocessor._chat([{"role": "system", "content": "Be brief."}]) and len(alone) > 3
 
 
 # postprocess

@@ -33,6 +33,15 @@ def mark(generation_id: str, error: str = "") -> None:
         os.replace(draft, BOARD / generation_id)
 
 
+def sweep() -> None:
+    """Remove the marks of llm stubs that no longer run: a mark that came after its generation ended is
+    never taken (llm calls this when it starts)."""
+    for path in BOARD.glob("*-*"):
+        pid = path.name.split("-")[0]
+        if GENERATION_ID.match(path.name) and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 def take(generation_id: str) -> str | None:
     """Once, if ``generation_id`` was marked: its error ("" for a plain cancellation); the mark is consumed."""
     path = BOARD / generation_id

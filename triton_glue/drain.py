@@ -53,8 +53,9 @@ def notice(server_pid: int) -> Notice | None:
 
 
 def posted() -> bool:
-    """Whether any server on this host (the one of a container) is draining."""
-    return any(BOARD.glob("drain-*"))
+    """Whether any running server on this host (the one of a container) is draining; the notice of a
+    server that died without clearing it does not count."""
+    return any(Path(f"/proc/{path.name.removeprefix('drain-')}").exists() for path in BOARD.glob("drain-*"))
 
 
 def done(stub_pid: int) -> None:

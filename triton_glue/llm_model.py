@@ -88,6 +88,7 @@ class TritonPythonModel:
             return engine
 
         self.server_pid = os.getppid()  # the tritonserver that started this stub
+        cancel.sweep()
         self.loop = EngineLoop(build, self._respond, self._ending, pb_utils.Logger.log_error, self._draining,
                                self._drained)
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
