@@ -47,6 +47,7 @@ class Prompt:
     frequency_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def body(self) -> dict:
         """The JSON body of ``generate`` / ``generate_stream`` (``messages`` as the JSON text the input holds)."""
@@ -65,6 +66,7 @@ class Chunk:
     prompt_tokens: int
     finish_reason: str  # empty until the last chunk: stop or length
     token_logprobs: list[dict] | None = None  # with logprobs: the tokens this chunk's text shows
+    prompt_logprobs: list[dict] | None = None  # with prompt_logprobs, in the first chunk: the prompt's tokens
 
 
 def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
@@ -106,6 +108,7 @@ def chunk_of(result) -> Chunk:
     return Chunk(
         value("text_output").decode("utf-8"), int(value("completion_tokens")), int(value("prompt_tokens")),
         value("finish_reason").decode("utf-8"), parse_logprobs(value("token_logprobs")),
+        parse_logprobs(value("prompt_token_logprobs")),
     )
 
 
@@ -142,7 +145,8 @@ class ChatClient:
                 data = json.loads(line[len(b"data: "):])
                 if "error" in data:
                     raise InferenceServerException(data["error"], status=str(reply.status_code))
-                yield Chunk(**{name: data[name] for name in OUTPUTS[:-1]}, token_logprobs=parse_logprobs(data["token_logprobs"]))
+                yield Chunk(data["text_output"], data["completion_tokens"], data["prompt_tokens"], data["finish_reason"],
+                            parse_logprobs(data["token_logprobs"]), parse_logprobs(data["prompt_token_logprobs"]))
             if reply.status_code != 200:
                 raise InferenceServerException(reply.text, status=str(reply.status_code))
 

@@ -65,6 +65,7 @@ REQUEST = (
     Field("stream", "TYPE_BOOL", to=LLM),  # ensemble only: ensemble_infer always answers once
     Field("logprobs", "TYPE_BOOL", to=LLM),
     Field("top_logprobs", "TYPE_INT32", to=LLM),
+    Field("prompt_logprobs", "TYPE_INT32", to=LLM),  # the prompt's own, with this many alternatives (0 to 5)
 )
 
 # What every response carries (each streamed chunk, or the one reply).
@@ -74,6 +75,7 @@ RESPONSE = (
     Field("prompt_tokens", "TYPE_INT32", optional=False),
     Field("finish_reason", "TYPE_STRING", optional=False),  # empty until the last response
     Field("token_logprobs", "TYPE_STRING", optional=False),  # JSON, empty unless logprobs was asked
+    Field("prompt_token_logprobs", "TYPE_STRING", optional=False),  # JSON, in the first response of prompt_logprobs
 )
 
 # preprocess -> llm.
@@ -96,6 +98,10 @@ LLM_OUTPUTS = (
     Field("top_logprob_ids", "TYPE_INT32", (-1, -1), optional=False),
     # Empty, or on a final response whose finish_reason is a failure: the error postprocess answers with.
     Field("error", "TYPE_STRING", optional=False),
+    # With prompt_logprobs, in the first response: a row per prompt token, its log-probability (NaN for
+    # the first) then its alternatives'; and its id, then theirs. No rows otherwise.
+    Field("prompt_logprobs", "TYPE_FP32", (-1, -1), optional=False),
+    Field("prompt_logprob_ids", "TYPE_INT32", (-1, -1), optional=False),
 )
 
 

@@ -179,6 +179,7 @@ class LLM:
         ignore_eos: bool | None = None,
         logprobs: bool | None = None,
         top_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         tokenizer_fingerprint: str | None = None,
     ) -> GenerationRequest:
         """One place for every per-request limit; raises ``InvalidInput`` naming field and range."""
@@ -201,6 +202,7 @@ class LLM:
         top_logprobs = int(_in_range("top_logprobs", top_logprobs, 0, TOP_LOGPROBS_LIMIT, 0))
         if top_logprobs and not logprobs:
             raise InvalidInput(f"top_logprobs={top_logprobs} needs logprobs=true")
+        prompt_logprobs = _in_range("prompt_logprobs", prompt_logprobs, 0, TOP_LOGPROBS_LIMIT, None)
         if not input_ids:
             raise InvalidInput("input_ids must not be empty")
         bad = next((i for i in input_ids if not 0 <= i < self.vocab_size), None)
@@ -216,7 +218,7 @@ class LLM:
                 "one request may hold (the model context or kv_cache_tokens): shorten the prompt or lower max_tokens"
             )
         return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), bool(ignore_eos),
-                                 top_logprobs if logprobs else None)
+                                 top_logprobs if logprobs else None, None if prompt_logprobs is None else int(prompt_logprobs))
 
     def _stop(self, stop: list[bytes]) -> tuple[str, ...]:
         c = self.config

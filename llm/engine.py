@@ -86,7 +86,20 @@ class Engine:
     def _admitted(self, seq: Sequence) -> None:
         seq.sampler = Sampler(seq.request.sampling, self.device)
         seq.text = TextTracker(self.decode, seq.request.stop)
+        if seq.request.prompt_logprobs is not None:
+            seq.prompt_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
         self.metrics.admitted(len(seq.request.input_ids))
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprobs]:
+        """Each prompt token after the first: its log-probability given the ones before it (the model's
+        own distribution, as for generated tokens) and the ``k`` most likely tokens there."""
+        tokens = torch.tensor(ids, device=self.device)
+        logprobs = self.runner.decoder.prompt_logits(tokens)[:-1].log_softmax(-1)
+        chosen = logprobs.gather(1, tokens[1:, None])[:, 0].tolist()
+        best = logprobs.topk(k, -1) if k else None
+        return [TokenLogprobs(lp, best.indices[i].tolist() if k else [], best.values[i].tolist() if k else [])
+                for i, lp in enumerate(chosen)]
 
     def _postprocess(self, step: Step, logits: torch.Tensor) -> list[Sequence]:
         """Each sampled row's token, its stop conditions, and freeing the rows that finished."""

@@ -205,6 +205,20 @@ class Decoder(torch.nn.Module):
 
         return self._forward(input_ids, positions, slots, logit_rows, attention)
 
+    def prompt_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """float32 logits at every position of one prompt, by a causal pass of its own that neither reads
+        nor writes the cache: eager and off the step, so only the requests that ask for their prompt's
+        log-probabilities pay for it."""
+        h = self.embed[input_ids]
+        positions = torch.arange(len(input_ids), device=input_ids.device)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for layer in self.layers:
+            q, k, v = (t.transpose(0, 1) for t in layer.qkv(F.rms_norm(h, h.shape[-1:], layer.input_norm, self.eps), cos, sin))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            h = h + layer.o_proj(out.transpose(0, 1).flatten(1))
+            h = h + layer.mlp(F.rms_norm(h, h.shape[-1:], layer.post_norm, self.eps))
+        return self.lm_head(F.rms_norm(h.float(), h.shape[-1:], self.norm.float(), self.eps))
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  logit_rows: torch.Tensor | None, attention) -> torch.Tensor:
         """Every token's key and value are written at its slot in ``slots`` before ``attention`` reads the

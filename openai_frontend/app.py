@@ -192,7 +192,8 @@ class CompletionReply(Reply):
             self.offsets[index] = offsets[-1] + len(item["token"])
         return CompletionLogprobs(
             tokens=[i["token"] for i in items], token_logprobs=[i["logprob"] for i in items],
-            top_logprobs=[{t["token"]: t["logprob"] for t in i["top_logprobs"]} for i in items], text_offset=offsets,
+            top_logprobs=[None if i["logprob"] is None else {t["token"]: t["logprob"] for t in i["top_logprobs"]}
+                          for i in items], text_offset=offsets,
         )
 
     def _echo(self, index: int) -> str:
@@ -201,7 +202,8 @@ class CompletionReply(Reply):
 
     def chunk(self, index, piece, first):
         text = (self._echo(index) if first else "") + piece.text_output
-        choice = CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, piece.token_logprobs),
+        items = (piece.prompt_logprobs or []) + piece.token_logprobs if piece.prompt_logprobs else piece.token_logprobs
+        choice = CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, items),
                                   finish_reason=piece.finish_reason or None)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
             exclude=None if self.body.include_usage else {"usage"})
@@ -347,7 +349,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         deadline = Deadline(request, settings)
         body = await _parse(request, CompletionRequest, settings)
         base = {"apply_chat_template": False, "logprobs": True if body.logprobs is not None else None,
-                "top_logprobs": body.logprobs}
+                "top_logprobs": body.logprobs, "prompt_logprobs": body.logprobs if body.echo else None}
         groups = [_pipeline_prompts(body, {**base, "text_input": text}, body.n) for text in body.prompts()]
         names = {**SAMPLING_NAMES, "text_input": "prompt", "prompt": "prompt", "max_tokens": "max_tokens",
                  "logprobs": "logprobs", "top_logprobs": "logprobs"}
@@ -447,8 +449,8 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
                         take(index, piece)
                         texts[index] += piece.text_output
                         reasons[index] = piece.finish_reason
-                        if piece.token_logprobs is not None:
-                            logprobs[index] = (logprobs[index] or []) + piece.token_logprobs
+                        if piece.token_logprobs is not None:  # after the prompt's, when echoed (the first piece)
+                            logprobs[index] = (logprobs[index] or []) + (piece.prompt_logprobs or []) + piece.token_logprobs
                     if len(finished) == len(prompts):
                         break
                     pending = await more()

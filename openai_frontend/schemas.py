@@ -160,7 +160,7 @@ class ChatCompletionRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]  # token-id prompts are refused
     logprobs: int | None = None  # the legacy API's: how many top alternatives, 0 to 5
-    echo: bool = False  # the prompt before the reply, in the text and (with logprobs) the logprobs
+    echo: bool = False  # the prompt before the reply, in the text and (with logprobs) the prompt's logprobs
 
     @property
     def budget(self) -> int | None:
@@ -170,11 +170,6 @@ class CompletionRequest(GenerationFields):
     def budget_name(self) -> str:
         return "max_tokens"
 
-    def check(self) -> None:
-        super().check()
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedField("echo", "echo with logprobs (the prompt's log-probabilities) is not supported by "
-                                           "this server; send echo or logprobs")
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -257,8 +252,8 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions API's shape: parallel lists, and top alternatives as token -> logprob."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token: nothing comes before it
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

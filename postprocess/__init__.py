@@ -83,6 +83,15 @@ class Detokenizer:
         last = len(ids) if response.finished else self._shown(ids, len(now))
         return Delta(text, [self._entry(ids[i], response.logprobs[i], response.top_ids[i]) for i in range(first, last)])
 
+    def prompt_entries(self, logprobs: list[list[float]], ids: list[list[int]]) -> list[dict]:
+        """The prompt's tokens as the same items: a row each, the token's id then its alternatives' ids
+        (``ids``) and their log-probabilities (``logprobs``); the first token's are NaN, so its logprob is
+        None (nothing comes before it, as vLLM reports it)."""
+        if len(logprobs) != len(ids) or not ids:
+            raise InvalidInput(f"prompt_logprobs and prompt_logprob_ids need a row per prompt id ({len(ids)})")
+        first = {**self._token(ids[0][0]), "logprob": None, "top_logprobs": []}
+        return [first, *(self._entry(row[0], values, row[1:]) for values, row in zip(logprobs[1:], ids[1:]))]
+
     def _decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)
 
@@ -94,11 +103,11 @@ class Detokenizer:
                 return count
         return 0
 
+    def _token(self, token: int) -> dict:
+        piece = self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return {"token": piece, "bytes": list(piece.encode("utf-8"))}
+
     def _entry(self, token: int, logprobs: list[float], top_ids: list[int]) -> dict:
         """One token as OpenAI's chat ``logprobs.content`` item: its text, bytes and top alternatives."""
-        def text(i: int) -> dict:
-            piece = self.tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            return {"token": piece, "bytes": list(piece.encode("utf-8"))}
-
-        top = [{**text(i), "logprob": lp} for i, lp in zip(top_ids, logprobs[1:])]
-        return {**text(token), "logprob": logprobs[0], "top_logprobs": top}
+        top = [{**self._token(i), "logprob": lp} for i, lp in zip(top_ids, logprobs[1:])]
+        return {**self._token(token), "logprob": logprobs[0], "top_logprobs": top}

@@ -149,7 +149,7 @@ def test_tokenizer_models_run_on_the_cpu():
 
 
 def test_client_sends_exactly_the_ensemble_input_names():
-    prompt = Prompt("hi", 4, "sys", False, 0.5, 0.9, 40, 1.1, 7, ["\n"], True, None, 0.1, 0.2, True, 2)
+    prompt = Prompt("hi", 4, "sys", False, 0.5, 0.9, 40, 1.1, 7, ["\n"], True, None, 0.1, 0.2, True, 2, 1)
     names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
     conversation = Prompt(messages=[{"role": "user", "content": "hi"}])
     assert {i.name() for i in build_inputs(httpclient, conversation)} == {"messages"}

@@ -295,6 +295,28 @@ def test_echo_puts_the_prompt_before_the_reply_whole_and_streamed(openai_client,
     assert streamed_text == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_gives_the_prompts_own_logprobs_first(openai_client, model, generate):
+    """As vLLM does: the prompt's tokens (the first with no logprob: nothing comes before it), then the
+    reply's; the tokens spell the echoed text, and each alternative list is the model's, best first."""
+    prompt = "The capital of France is"
+    reply = openai_client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    choice, usage = reply.choices[0], reply.usage
+    lp = choice.logprobs
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [c for c in openai_client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                                             echo=True, logprobs=2, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+    # Triton's API: the same items, in the first response.
+    items = json.loads(generate({"text_input": prompt, "apply_chat_template": False, "max_tokens": 1,
+                                 "prompt_logprobs": 0}).json()["prompt_token_logprobs"])
+    assert [i["token"] for i in items] == lp.tokens[:usage.prompt_tokens]
+    assert [i["logprob"] for i in items[1:]] == pytest.approx(lp.token_logprobs[1:usage.prompt_tokens], abs=1e-5)
+
+
 def test_a_system_message_alone_is_answered(openai_client, model):
     reply = openai_client.chat.completions.create(
         model=model, max_tokens=8, messages=[{"role": "system", "content": "Greet the user."}])

@@ -334,6 +334,7 @@ def test_a_cancelled_row_leaves_at_the_next_step(llm):
         ([1], {"stop": [b"a"] * 9}, r"stop holds 9 strings; the limit is 8"),
         ([1], {"stop": [b"\xff"]}, r"stop\[0\] is not valid UTF-8"),
         ([1], {"tokenizer_fingerprint": "x"}, "does not match the llm model's vocabulary"),
+        ([1], {"prompt_logprobs": 6}, r"prompt_logprobs must be in \[0, 5\], got 6"),
     ],
 )
 def test_invalid_requests_name_the_field_and_limit(llm, ids, kwargs, message):
@@ -378,3 +379,20 @@ def test_the_baselines_grouped_attention_matches_sdpa(model, llm):
         model.set_attn_implementation("sdpa")
         reference = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(logits, reference)
+
+
+def test_prompt_logprobs_are_the_models_own_and_meet_the_generated_tokens(model, llm):
+    """Each prompt token's log-probability given the ones before it, as Hugging Face's forward pass gives it;
+    and a generated token, sent again as part of a prompt, gets the logprob it was generated with."""
+    prompt = [5, 17, 42, 9, 100, 3]
+    seq = run(llm.engine(), [Sequence(llm.validate(prompt, 1, logprobs=True, prompt_logprobs=3))])[0]
+    expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert len(seq.prompt_logprobs) == len(prompt) - 1
+    for position, lp in enumerate(seq.prompt_logprobs, start=1):
+        assert lp.logprob == pytest.approx(expected[position - 1, prompt[position]].item(), abs=1e-4)
+        assert lp.top_ids == expected[position - 1].topk(3).indices.tolist()
+    again = run(llm.engine(), [Sequence(llm.validate(prompt + seq.output_ids, 1, prompt_logprobs=0))])[0]
+    assert again.prompt_logprobs[-1].logprob == pytest.approx(seq.logprobs[0].logprob, abs=1e-4)
+    assert again.prompt_logprobs[-1].top_ids == []
+    plain = run(llm.engine(), [Sequence(llm.validate(prompt, 1))])[0]
+    assert plain.prompt_logprobs == [] and plain.output_ids == seq.output_ids  # nothing asked, nothing computed

@@ -53,6 +53,21 @@ def _logprobs(seq: Sequence, start: int, end: int) -> dict[str, np.ndarray]:
     return {"output_logprobs": values[None], "top_logprob_ids": ids[None]}
 
 
+def _prompt_logprobs(seq: Sequence, first: bool) -> dict[str, np.ndarray]:
+    """With ``prompt_logprobs``, in the first response: a row per prompt id, its log-probability (NaN for
+    the first) then its alternatives', and its id then theirs. No rows otherwise."""
+    k = seq.request.prompt_logprobs
+    if not first or k is None:
+        return {"prompt_logprobs": np.zeros((1, 0, 0), np.float32), "prompt_logprob_ids": np.zeros((1, 0, 0), np.int32)}
+    ids = seq.request.input_ids
+    values, top = np.full((len(ids), 1 + k), np.nan, np.float32), np.full((len(ids), 1 + k), -1, np.int32)
+    top[:, 0] = ids
+    for row, lp in enumerate(seq.prompt_logprobs, start=1):
+        values[row] = [lp.logprob, *lp.top_logprobs]
+        top[row, 1:] = lp.top_ids
+    return {"prompt_logprobs": values[None], "prompt_logprob_ids": top[None]}
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         model_config = json.loads(args["model_config"])
@@ -169,6 +184,7 @@ class TritonPythonModel:
             generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
             error=np.array([[_failure(seq).encode() if failed else b""]], dtype=np.object_),
             **_logprobs(seq, start, count),
+            **_prompt_logprobs(seq, first=seq.sent_tokens == 0),
         ), flags=FINAL if finished else 0)
         seq.sent_tokens = count
         return finished

@@ -18,10 +18,12 @@ from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar, single
 
 
-def _chunk(request, text: str, token_logprobs: bytes, finish_reason: bytes) -> "pb_utils.InferenceResponse":
+def _chunk(request, text: str, token_logprobs: bytes, finish_reason: bytes,
+           prompt_token_logprobs: bytes = b"") -> "pb_utils.InferenceResponse":
     return response(
         text_output=np.array([[text.encode("utf-8")]], dtype=np.object_),
         token_logprobs=np.array([[token_logprobs]], dtype=np.object_),
+        prompt_token_logprobs=np.array([[prompt_token_logprobs]], dtype=np.object_),
         completion_tokens=np.array([[scalar(request, "completion_tokens") or 0]], dtype=np.int32),
         prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
         finish_reason=np.array([[finish_reason]], dtype=np.object_),
@@ -76,4 +78,8 @@ class TritonPythonModel:
             logprobs=logprobs.tolist() if asked else None, top_ids=top_ids.tolist() if asked else None,
         ))
         token_logprobs = b"" if delta.logprobs is None else json.dumps(delta.logprobs).encode()
-        return _chunk(request, delta.text, token_logprobs, finish_reason)
+        prompt_logprobs, prompt_ids = single(request, "prompt_logprobs"), single(request, "prompt_logprob_ids")
+        prompt = b""
+        if prompt_logprobs is not None and prompt_ids is not None and prompt_ids.shape[0] > 0:
+            prompt = json.dumps(self.detokenizer.prompt_entries(prompt_logprobs.tolist(), prompt_ids.tolist())).encode()
+        return _chunk(request, delta.text, token_logprobs, finish_reason, prompt)
