@@ -133,8 +133,12 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
         deadline = time.monotonic() + 10
         while "ready: Triton" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        ready_lines = [line for line in log.read_text().splitlines() if "ready: Triton" in line]
+        lines = log.read_text().splitlines()
+        ready_lines = [line for line in lines if "ready: Triton" in line]
         assert len(ready_lines) == 1 and f"/v1 (model '{model_dir.name}')" in ready_lines[0], log.read_text()[-2000:]
+        # The front end says it answers only once Triton does (its first line says it waits).
+        said = [i for i, line in enumerate(lines) if "OpenAI API ready" in line or "successfully loaded 'ensemble'" in line]
+        assert len(said) == 2 and "successfully loaded 'ensemble'" in lines[said[0]], [lines[i] for i in said]
         results: dict[str, object] = {}
 
         def openai_stream(name: str, max_tokens: int) -> None:
