@@ -3,7 +3,8 @@
 ``MODEL_DIR`` selects the model folder (any local Hugging Face causal LM with its tokenizer); unset, the
 default SmolLM2-135M-Instruct is prepared once under ``.cache/models/``. Ports come from ``HTTP_PORT``,
 ``GRPC_PORT``, ``METRICS_PORT`` and ``OPENAI_PORT`` (8000/8001/8002/9000). ``serve`` and ``run`` start the
-OpenAI-compatible front end beside Triton unless given ``--no-openai``.
+OpenAI-compatible front end beside Triton unless given ``--no-openai``; Ctrl-C or SIGTERM drains both for up
+to ``DRAIN_TIMEOUT`` seconds (30) before they stop. ``supervise`` is the image's main process.
 """
 
 from __future__ import annotations
