@@ -7,7 +7,8 @@ traffic, sends SIGTERM (what Ctrl-C, ``docker stop`` and Kubernetes send) and ti
 - after cancellations: six ``generate_stream`` clients that went away mid-reply (Triton 2.51's ensemble
   kept each one in flight, and every later stop waited out its 30 s exit timeout);
 - busy: a 512-token OpenAI stream in flight (it should finish, then the server stop);
-- past the drain: the same stream with ``DRAIN_TIMEOUT=5`` (it should end with an error event and [DONE]).
+- past the drain: a 4000-token stream (``MAX_TOKENS_LIMIT`` raised for it) with ``DRAIN_TIMEOUT=5`` (it should
+  end with an error event and [DONE]).
 
 Writes ``bench_results/stop_times.json`` and prints a table; the CPU is named with the figures.
 """
@@ -40,8 +41,8 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def openai_stream(url: str, model: str, events: list) -> None:
-    body = {"model": model, "stream": True, "max_tokens": 512, "ignore_eos": True,
+def openai_stream(url: str, model: str, max_tokens: int, events: list) -> None:
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
             "messages": [{"role": "user", "content": STORY}]}
     with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=300) as reply:
         events += [line[6:].decode() for line in reply.iter_lines() if line.startswith(b"data: ")]
@@ -61,6 +62,8 @@ def case(name: str, drain: float | None, model_dir: Path, log_dir: Path) -> dict
            "METRICS_PORT": str(ports.metrics), "OPENAI_PORT": str(ports.openai)}
     if drain is not None:
         env["DRAIN_TIMEOUT"] = str(drain)
+    max_tokens = 4000 if name == "past the drain" else 512  # a stream that outlasts the drain on any machine
+    env["MAX_TOKENS_LIMIT"] = str(max(512, max_tokens))
     log = log_dir / f"{name.replace(' ', '-')}.log"
     serve = subprocess.Popen([sys.executable, "-m", "launcher", "serve"], cwd=REPO_ROOT, env=env, stdout=log.open("wb"),
                              stderr=subprocess.STDOUT, start_new_session=True)
@@ -73,7 +76,7 @@ def case(name: str, drain: float | None, model_dir: Path, log_dir: Path) -> dict
                 cancelled_stream(f"http://127.0.0.1:{ports.http}")
             time.sleep(1)
         if name in ("busy", "past the drain"):
-            stream = threading.Thread(target=openai_stream, args=(openai_url, model_dir.name, events))
+            stream = threading.Thread(target=openai_stream, args=(openai_url, model_dir.name, max_tokens, events))
             stream.start()
             time.sleep(2)
         started = time.monotonic()

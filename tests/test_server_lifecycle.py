@@ -122,7 +122,9 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
     seconds."""
     drain = 5
     ports = Ports.free()
-    env = {**os.environ, "MODEL_DIR": str(model_dir), "DRAIN_TIMEOUT": str(drain), "HTTP_PORT": str(ports.http),
+    # Long streams that outlast the drain on any machine: 4000 tokens (MAX_TOKENS_LIMIT raised for them).
+    env = {**os.environ, "MODEL_DIR": str(model_dir), "DRAIN_TIMEOUT": str(drain), "MAX_TOKENS_LIMIT": "4000",
+           "HTTP_PORT": str(ports.http),
            "GRPC_PORT": str(ports.grpc), "METRICS_PORT": str(ports.metrics), "OPENAI_PORT": str(ports.openai)}
     log = tmp_path / "serve.log"
     launcher = subprocess.Popen([sys.executable, "-m", "launcher", "serve"], cwd=REPO_ROOT, env=env,
@@ -156,8 +158,8 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
             finally:
                 client.close()
 
-        long = [threading.Thread(target=openai_stream, args=("openai long", 512)),  # 512 tokens: over 10 s here
-                threading.Thread(target=triton_stream, args=("triton long", 512))]
+        long = [threading.Thread(target=openai_stream, args=("openai long", 4000)),
+                threading.Thread(target=triton_stream, args=("triton long", 4000))]
         short = [threading.Thread(target=openai_stream, args=("openai short", 32)),
                  threading.Thread(target=triton_stream, args=("triton short", 32))]
         for t in long:
