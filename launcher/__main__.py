@@ -60,7 +60,8 @@ def start_frontend(server: TritonServer, log_path: Path | None) -> OpenAIFronten
 
 
 def stop(server: TritonServer, frontend: OpenAIFrontend | None) -> None:
-    """Both drain at once (DRAIN_TIMEOUT); the front end exits last, once Triton's last answers reached it."""
+    """Both drain at once (DRAIN_TIMEOUT); the front end refuses with 503 until Triton has stopped, and
+    exits last, once Triton's last answers have reached its clients."""
     log.info("stopping: new requests are refused; those running get up to %g s (DRAIN_TIMEOUT) to finish",
              drain_timeout())
     if frontend:

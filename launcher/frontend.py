@@ -23,7 +23,6 @@ class OpenAIFrontend:
     log_path: Path | None = None
     port: int = 0  # 0: the server's ports.openai
     process: subprocess.Popen | None = None
-    draining: bool = False
 
     def __post_init__(self) -> None:
         self.port = self.port or self.triton.ports.openai
@@ -48,17 +47,15 @@ class OpenAIFrontend:
         wait_healthy(f"{self.url}/health", self.process, f"the OpenAI front end on :{self.port}", timeout)
 
     def drain(self) -> None:
-        """SIGTERM without waiting: the front end refuses new requests and lets its streams finish
-        (``openai_frontend/__main__.py``), while Triton drains beside it."""
-        if self.process and self.process.poll() is None and not self.draining:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.draining = True
+        """SIGUSR1: the front end refuses new requests (503) and lets its streams go on, without exiting
+        (``openai_frontend/shutdown.py``), while Triton drains beside it."""
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGUSR1)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Drain (unless begun), and wait for it to exit: past ``timeout`` (its own drain's, and a
-        margin), SIGKILL."""
-        limit = drain_timeout() + 2 * DRAIN_SLACK if timeout is None else timeout
-        stop_group(self.process, limit, signalled=self.draining)
+        """SIGTERM: it exits once its last stream has ended (its own drain, begun or not). Past ``timeout``
+        (its drain's, and a margin), SIGKILL."""
+        stop_group(self.process, drain_timeout() + 2 * DRAIN_SLACK if timeout is None else timeout)
 
     def __enter__(self) -> "OpenAIFrontend":
         return self.start()

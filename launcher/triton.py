@@ -146,15 +146,13 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callable[[], bool] | None = None,
-               signalled: bool = False) -> bool:
-    """SIGTERM a process started with ``start_new_session`` and its children (unless ``signalled``
-    already), SIGKILL past ``timeout``, or sooner once ``settled()`` (it has nothing left to finish) has
-    held for ``SETTLED_GRACE`` seconds without the process exiting. True when it was ended for that."""
+def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callable[[], bool] | None = None) -> bool:
+    """SIGTERM a process started with ``start_new_session`` and its children, SIGKILL past ``timeout``, or
+    sooner once ``settled()`` (it has nothing left to finish) has held for ``SETTLED_GRACE`` seconds
+    without the process exiting. True when it was ended for that."""
     if not process or process.poll() is not None:
         return False
-    if not signalled:
-        os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
     deadline, settled_at, early = time.monotonic() + timeout, None, False
     while process.poll() is None and time.monotonic() < deadline and not early:
         settled_at = (settled_at or time.monotonic()) if settled and settled() else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -69,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{len(settings.api_keys)} API keys" if settings.api_keys else "no API keys (open)")
 
     app = create_app(settings, on_ready=ready)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), app.state.drain).run()
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), app.state.drain)
+    signal.signal(signal.SIGUSR1, server.drain_only)
+    server.run()
     return 0
 
 

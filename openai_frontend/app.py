@@ -269,10 +269,18 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
     metrics = Metrics()
     drain = Drain(settings.drain_timeout)
 
+    announced = []
+
+    def ready_now() -> None:
+        """Said once, and before ``/health`` first answers 200."""
+        if not announced:
+            announced.append(True)
+            on_ready()
+
     async def announce() -> None:
         while not await triton.ready():
             await asyncio.sleep(0.5)
-        on_ready()
+        ready_now()
 
     async def lifespan(app: FastAPI):
         await triton.start()
@@ -314,6 +322,8 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         if drain.started:
             return JSONResponse({"status": "draining"}, status_code=503)
         ready = await triton.ready()
+        if ready:
+            ready_now()
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
     @app.get("/metrics")

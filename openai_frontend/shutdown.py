@@ -1,4 +1,6 @@
-"""The front end's graceful stop: the first SIGTERM (or Ctrl-C) drains, a second one exits at once.
+"""The front end's graceful stop: SIGTERM (or Ctrl-C) drains, then exits; a second one exits at once.
+SIGUSR1 drains without exiting: the launcher sends it when Triton starts draining beside the front end,
+and SIGTERM once Triton has, so the front end keeps refusing with 503 until Triton is gone.
 
 While it drains, ``/health`` says 503 (a load balancer stops sending), new generation requests are refused
 with 503 and ``Retry-After``, and the requests in flight go on until they finish or the drain timeout
@@ -22,7 +24,8 @@ MARGIN = 3.0  # seconds past DRAIN_TIMEOUT before the front end ends a stream it
 class Drain:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds + MARGIN
-        self.requested = False  # set from the signal handler; the loop begins the drain
+        self.requested = False  # set from a signal handler; the loop begins the drain
+        self.leave = False  # set by SIGTERM: exit once drained
         self.started = False
         self.in_flight = 0  # HTTP requests being answered, streams until their last byte
         self.expired = asyncio.Event()  # set at the deadline: streams still running end with an error
@@ -49,14 +52,17 @@ class Server(uvicorn.Server):
         self.drain = drain
 
     def handle_exit(self, sig: int, frame: object) -> None:
-        if self.drain.requested:  # the second signal: go now
+        if self.drain.leave:  # the second signal: go now
             self.should_exit = self.force_exit = True
+        self.drain.requested = self.drain.leave = True
+
+    def drain_only(self, sig: int, frame: object) -> None:
         self.drain.requested = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain.requested and not self.drain.started:
             self.drain.begin()
-        if self.drain.done:
+        if self.drain.leave and self.drain.done:
             log.info("drained: stopping")
             self.should_exit = True
         return await super().on_tick(counter)

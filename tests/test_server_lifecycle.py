@@ -197,5 +197,7 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
     assert stopped < drain + EXIT_AFTER_DRAIN, stopped
     text = log.read_text(errors="replace")
     assert "drained" in text and "Traceback" not in text, text[-3000:]
+    # The front end refused until Triton had stopped, and only then left.
+    assert text.index("tritonserver stopped") < text.index("openai_frontend: drained: stopping"), text[-3000:]
     assert not any(line in text for line in LEAK_LINES), text[-3000:]
     (Path(tmp_path) / "stop.json").write_text(json.dumps({"drain_timeout": drain, "stopped_s": stopped}))
