@@ -37,7 +37,11 @@ from bench import guidellm, load, peers, perf_analyzer, report, roofline, worklo
 from bench.static_llm import StaticGenerator
 from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
-from launcher.triton import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY, Ports, TritonServer, free_port, has_gpu, repository_variant
+from launcher.install import has_gpu
+from launcher.paths import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY
+from launcher.process import Ports, free_port
+from launcher.repository import repository_variant
+from launcher.triton import TritonServer
 from llm import LLM, LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 

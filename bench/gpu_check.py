@@ -39,7 +39,10 @@ from transformers import AutoTokenizer
 
 from bench import engine_scale, load, roofline, workload
 from launcher.model import prepare_default_model
-from launcher.triton import REPO_ROOT, Ports, TritonServer, has_gpu
+from launcher.install import has_gpu
+from launcher.paths import REPO_ROOT
+from launcher.process import Ports
+from launcher.triton import TritonServer
 
 OUT = REPO_ROOT / "bench_results" / "gpu_check.json"
 GOAL_TTFT_MS = 100.0  # served, c=1, p50

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.workload import Item
 from launcher.frontend import OpenAIFrontend
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 
 GUIDELLM = "guidellm==0.8.1"
 VENV = CACHE_DIR / "guidellm"

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.model import gguf_path
-from launcher.triton import CACHE_DIR, free_port, wait_healthy
+from launcher.paths import CACHE_DIR
+from launcher.process import free_port, wait_healthy
 
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp with tools/server
 LLAMA_CPP = CACHE_DIR / "llama.cpp"

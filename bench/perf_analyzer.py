@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bench.workload import Item
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 
 CUDART = "nvidia-cuda-runtime-cu12==12.6.77"
 LIBS = CACHE_DIR / "perf_analyzer"

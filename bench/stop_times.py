@@ -29,7 +29,8 @@ from pathlib import Path
 import requests
 
 from launcher.model import prepare_default_model
-from launcher.triton import REPO_ROOT, Ports, wait_healthy
+from launcher.paths import REPO_ROOT
+from launcher.process import Ports, wait_healthy
 
 STORY = "Tell me a long story about a lighthouse keeper and the sea."
 

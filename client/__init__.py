@@ -81,17 +81,17 @@ def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
         return np.array([[v.encode() for v in values]], dtype=np.object_).reshape(1, len(values))
 
     inputs = []
-    for field in REQUEST:  # contract/schema.py: each field's Triton type
-        value = None if field.name == "stream" else getattr(prompt, field.name)
+    for spec in REQUEST:  # contract/schema.py: each field's Triton type
+        value = None if spec.name == "stream" else getattr(prompt, spec.name)
         if value is None or value == []:
             continue
-        if field.name == "messages":
+        if spec.name == "messages":
             value = json.dumps(value)
-        if field.data_type == "TYPE_STRING":
+        if spec.data_type == "TYPE_STRING":
             array = text(value if isinstance(value, list) else [value])
         else:
-            array = np.array([[value]], dtype=field.numpy_type)
-        inputs.append(tensor(field.name, array, field.wire_type))
+            array = np.array([[value]], dtype=spec.numpy_type)
+        inputs.append(tensor(spec.name, array, spec.wire_type))
     if stream is not None:
         inputs.append(tensor("stream", np.array([[stream]], dtype=bool), "BOOL"))
     return inputs

@@ -27,7 +27,7 @@ restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
 # notice a Python stub that dies: launcher/watchdog.py reloads its model). exec: it replaces this shell as
 # PID 1, so docker stop's SIGTERM reaches it, and it drains first: new requests are refused, those running
 # get up to DRAIN_TIMEOUT seconds (30) to finish, then tritonserver gets its SIGTERM (docs/operations.md).
-# thread-pool-size: the Python backend's threads per model instance (launcher/triton.py says why).
+# thread-pool-size: the Python backend's threads per model instance (launcher/triton.py, PYTHON_BACKEND_THREADS, says why).
 # Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
 ADMIN_KEY="$ADMIN_KEY" exec python3 -m launcher supervise \
   tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \

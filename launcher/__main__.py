@@ -19,7 +19,10 @@ from pathlib import Path
 
 from launcher.frontend import OpenAIFrontend
 from launcher.model import check_model_dir, prepare_default_model, seed_model_dir
-from launcher.triton import CACHE_DIR, MODEL_REPOSITORY, Ports, TritonServer, drain_timeout, has_gpu
+from launcher.install import has_gpu
+from launcher.paths import CACHE_DIR, MODEL_REPOSITORY
+from launcher.process import Ports, drain_timeout
+from launcher.triton import TritonServer
 from launcher.watchdog import Watchdog, healthy, python_models
 from triton_glue import drain
 

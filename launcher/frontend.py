@@ -9,7 +9,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.triton import DRAIN_SLACK, REPO_ROOT, TritonServer, drain_timeout, port_is_free, stop_group, wait_healthy
+from launcher.paths import REPO_ROOT
+from launcher.process import DRAIN_SLACK, drain_timeout, port_is_free, stop_group, wait_healthy
+from launcher.triton import TritonServer
 
 
 @dataclass

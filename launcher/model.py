@@ -14,7 +14,7 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 
 DEFAULT_MODEL_DIR = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

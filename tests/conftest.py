@@ -13,7 +13,10 @@ from transformers import AutoTokenizer
 from client import ChatClient
 from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
-from launcher.triton import MODEL_REPOSITORY, Ports, TritonServer, free_port, repository_variant
+from launcher.paths import MODEL_REPOSITORY
+from launcher.process import Ports, free_port
+from launcher.repository import repository_variant
+from launcher.triton import TritonServer
 
 ADMIN_KEY = "test-admin-key"
 _servers: list[TritonServer] = []

@@ -14,7 +14,7 @@ from bench import workload
 from bench.load import stats_delta
 from bench.report import targets, with_ratios
 from bench.roofline import Roofline
-from launcher.triton import REPO_ROOT
+from launcher.paths import REPO_ROOT
 
 
 LIMIT = Roofline("bfloat16", peak_flops=1e12, bandwidth=1e10, params=10**8, weight_bytes=2 * 10**8, kv_bytes_per_token=10**4)

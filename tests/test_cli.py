@@ -14,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from launcher.triton import MODEL_REPOSITORY, REPO_ROOT, Ports, TritonServer, install_tritonserver, server_env
+from launcher.install import install_tritonserver, server_env
+from launcher.paths import MODEL_REPOSITORY, REPO_ROOT
+from launcher.process import Ports
+from launcher.triton import TritonServer
 
 
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.triton import REPO_ROOT
+from launcher.paths import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md")), *sorted((REPO_ROOT / "deploy").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")

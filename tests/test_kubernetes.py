@@ -20,8 +20,10 @@ import requests
 import yaml
 
 from launcher.model import DEFAULT_MODEL_DIR
-from launcher.triton import (CACHE_DIR, COMPILE_CACHE, DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN, MODEL_REPOSITORY, REPO_ROOT, Ports,
-                             TritonServer, install_tritonserver, server_env, wait_healthy)
+from launcher.install import install_tritonserver, server_env
+from launcher.paths import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY, REPO_ROOT
+from launcher.process import DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN, Ports, wait_healthy
+from launcher.triton import TritonServer
 from openai_frontend.shutdown import MARGIN
 
 K8S = REPO_ROOT / "deploy" / "kubernetes"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.triton import REPO_ROOT
+from launcher.paths import REPO_ROOT
 
 LAYERS = [
     {"contract"},  # the text<->ids contract and the request schema: no Triton

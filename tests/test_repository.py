@@ -19,7 +19,8 @@ import tritonclient.http as httpclient
 from client import Prompt, build_inputs
 from contract import schema
 from contract.schema import Field
-from launcher.triton import DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN, MODEL_REPOSITORY, REPO_ROOT
+from launcher.paths import MODEL_REPOSITORY, REPO_ROOT
+from launcher.process import DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN
 from openai_frontend.shutdown import MARGIN
 
 SCHEMA = REPO_ROOT.parent / "shared" / "schemas" / "compose-spec.json"

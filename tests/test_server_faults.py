@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 from launcher.watchdog import healthy, python_models
 from triton_glue.stubs import stubs
 

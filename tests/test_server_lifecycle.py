@@ -21,7 +21,8 @@ import tritonclient.grpc as grpcclient
 
 from client import ChatClient, Prompt, build_inputs
 from conftest import metric_value, running_frontend, running_server
-from launcher.triton import EXIT_AFTER_DRAIN, REPO_ROOT, Ports, wait_healthy
+from launcher.paths import REPO_ROOT
+from launcher.process import EXIT_AFTER_DRAIN, Ports, wait_healthy
 
 STORY = "Tell me a long story about a lighthouse keeper and the sea."
 STOP_SECONDS = 5.0  # SIGTERM to exit, with nothing in flight
@@ -93,7 +94,7 @@ def test_cancelled_requests_leave_nothing_in_flight_and_sigterm_stops_at_once(mo
     # The last token: a generation whose final chunk is cancelled in postprocess.
     for max_tokens in (1, 2, 3):
         with requests.post(f"{server.url}/v2/models/ensemble/generate_stream", stream=True, timeout=60,
-                           json={"text_input": STORY, "max_tokens": max_tokens, "stream": True}) as reply:
+                           json={"text_input": STORY, "max_tokens": max_tokens, "stream": True}):
             pass  # closed before reading: cancelled while its last responses are on their way
     deadline = time.monotonic() + 30
     while metric_value(server, "llm_requests_running") + metric_value(server, "llm_requests_waiting") and time.monotonic() < deadline:

@@ -8,7 +8,8 @@ import re
 import requests
 import yaml
 
-from launcher.triton import REPO_ROOT, has_gpu
+from launcher.install import has_gpu
+from launcher.paths import REPO_ROOT
 
 MONITORING = REPO_ROOT / "monitoring"
 GPU_ONLY = ("nv_gpu_", "nv_energy_")  # Triton exports these only where it sees a GPU

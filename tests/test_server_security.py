@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER, swap_tokenizer
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 
 WRONG = {ADMIN_HEADER: "not-the-key"}
 

@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 
 from client import ChatClient, Prompt, build_inputs
 from conftest import metric_value
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
 CONCURRENCY = int(os.environ.get("SOAK_CONCURRENCY", "80"))

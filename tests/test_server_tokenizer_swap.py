@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from client.admin import ADMIN_HEADER, swap_tokenizer
-from launcher.triton import CACHE_DIR
+from launcher.paths import CACHE_DIR
 from triton_glue.stubs import stubs
 
 PIRATE = "You are a pirate captain. Answer every question like a pirate."

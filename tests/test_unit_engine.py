@@ -7,7 +7,6 @@ that nothing compiles once it is built.
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -21,7 +21,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from launcher.triton import MODEL_REPOSITORY
+from launcher.paths import MODEL_REPOSITORY
 from llm import LLM, LLMConfig
 from llm.service import EngineLoop
 
