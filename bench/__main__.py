@@ -53,6 +53,7 @@ class Plan:
     concurrency: tuple[int, ...]  # the shipped pipeline and its peers
     baseline_concurrency: tuple[int, ...]  # in_process, static and ensemble_grpc
     openai_concurrency: tuple[int, ...]  # openai_http (fixed workload), and guidellm in full mode
+    sampled_concurrency: tuple[int, ...]  # ensemble_http on the sampled workload (every row through the sampler)
     fixed_tokens: int
     variable_tokens: tuple[int, int]
     perf_analyzer: bool
@@ -64,9 +65,9 @@ class Plan:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 4), (1, 4), (1, 4), 16, (4, 32), perf_analyzer=False, peers=False, third_party=False, rounds=1)
-FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), 64, (8, 128), perf_analyzer=True, peers=True, third_party=True,
-            rounds=2)
+QUICK = Plan((1, 4), (1, 4), (1, 4), (4,), 16, (4, 32), perf_analyzer=False, peers=False, third_party=False, rounds=1)
+FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), (16, 64), 64, (8, 128), perf_analyzer=True, peers=True,
+            third_party=True, rounds=2)
 
 
 def machine() -> dict:
@@ -261,11 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu = has_gpu()
     device = torch.device("cuda:0" if gpu else "cpu")
     sets = workloads(plan)
+    sampled = {"sampled": workload.sampled(len(sets["fixed"]), plan.fixed_tokens, seed=1)}  # our pipeline only
     preprocessor = Preprocessor(PreprocessConfig(str(model_dir)))
     ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode()))
            for items in sets.values() for i in items}
     contexts = {name: sum(len(ids[i.text_input]) + i.max_tokens / 2 for i in items) / len(items)
-                for name, items in sets.items()}
+                for name, items in (sets | sampled).items()}
 
     config = LLMConfig(str(model_dir), max_tokens_limit=512, compile=False)
     hf = load_model(config, device)
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sets, plan, plan.concurrency,
                                            plan.baseline_concurrency))
+        points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sampled, plan, plan.sampled_concurrency))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
         frontend = OpenAIFrontend(server, model_dir.name, log_path=out / "openai.log", port=free_port()).start()
         try:

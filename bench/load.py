@@ -70,6 +70,8 @@ def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble
     async def send(item: Item) -> tuple[int, float]:
         body = {"text_input": item.text_input, "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos,
                 "stream": True}
+        body |= {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p), ("seed", item.seed))
+                 if v is not None}
         begin, first, tokens = time.perf_counter(), None, 0
         async with session.post(f"{url}/v2/models/{model}/generate_stream", json=body) as reply:
             lines = aiter(reply.content)

@@ -110,7 +110,7 @@ def markdown(results: dict) -> str:
               f"{r['weight_bytes'] / 2**20:.0f} MiB (ridge at batch {r['ridge_batch']:.0f})"
               for name, r in results["roofline"].items()]
     lines.append("")
-    for name in ("fixed", "variable"):
+    for name in [n for n in ("fixed", "variable", "sampled") if n in results["contexts"]]:
         lines += [
             f"**{name}** workload (mean context {results['contexts'][name]:.0f} tokens)", "",
             "| system | dtype | concurrency | tok/s | req/s | p50 ms | p99 ms | TTFT p50 ms | % roofline | vs llama-server | vs in-process | vs static | client CPU % |",

@@ -1,9 +1,9 @@
-"""Seeded prompt sets: a fixed-length one and a variable one."""
+"""Seeded prompt sets: a fixed-length one, a variable one, and the fixed one sampled."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 WORDS = (
     "river mountain engine garden planet music window history ocean forest language market energy "
@@ -19,6 +19,9 @@ class Item:
     text_input: str
     max_tokens: int
     ignore_eos: bool = True
+    temperature: float | None = None  # None: greedy (the server's default)
+    top_p: float | None = None
+    seed: int | None = None
 
 
 def _prompt(rng: random.Random, words: int) -> str:
@@ -35,3 +38,9 @@ def variable(count: int, min_tokens: int, max_tokens: int, seed: int = 0) -> lis
     """Prompt lengths (4 to 200 words) and reply budgets drawn uniformly from a seeded generator."""
     rng = random.Random(seed)
     return [Item(_prompt(rng, rng.randint(4, 200)), rng.randint(min_tokens, max_tokens)) for _ in range(count)]
+
+
+def sampled(count: int, max_tokens: int, seed: int = 0) -> list[Item]:
+    """``fixed``'s requests with temperature 0.8 and top-p 0.9, each seeded: every row goes through the
+    sampler instead of the batch's one argmax."""
+    return [replace(item, temperature=0.8, top_p=0.9, seed=n) for n, item in enumerate(fixed(count, max_tokens, seed))]

@@ -36,6 +36,9 @@ def test_workloads_are_seeded_and_within_their_ranges():
     assert workload.variable(50, 8, 128, seed=3) != workload.variable(50, 8, 128, seed=4)
     assert all(8 <= item.max_tokens <= 128 and item.ignore_eos for item in workload.variable(200, 8, 128))
     assert {item.max_tokens for item in workload.fixed(20, 64)} == {64}
+    sampled = workload.sampled(20, 64, seed=1)
+    assert [i.text_input for i in sampled] == [i.text_input for i in workload.fixed(20, 64, seed=1)]
+    assert {(i.temperature, i.top_p) for i in sampled} == {(0.8, 0.9)} and len({i.seed for i in sampled}) == 20
 
 
 def test_stats_delta_gives_per_request_means():
