@@ -16,7 +16,7 @@ import torch
 from contract.schema import FinishReason
 from contract.stops import TextTracker
 from llm.runner import ModelRunner
-from llm.sampling import Sampler
+from llm.sampling import Sampler, sample
 from llm.scheduler import Scheduler, Step
 from llm.sequence import Metrics, Sequence, TokenLogprobs
 
@@ -122,19 +122,17 @@ class Engine:
         return rows
 
     def _choose(self, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row: one argmax for every plain greedy row, each other row by its own sampler."""
+        """One token per row: one argmax for every plain greedy row, one batched pass (``sample``) for the
+        rest, on a copy of their logits (the raw ones give the logprobs)."""
         plain = [i for i, s in enumerate(rows) if s.sampler.plain]
-        tokens: list[int | None] = [None] * len(rows)
-        if plain:
-            best = (logits if len(plain) == len(rows) else logits[plain]).argmax(-1).tolist()
-            for i, token in zip(plain, best):
-                tokens[i] = token
-        def ids(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=logits.device)
-
-        for i, seq in enumerate(rows):
-            if tokens[i] is None:
-                tokens[i] = seq.sampler(logits[i], ids(seq.request.input_ids), ids(seq.output_ids))
+        if len(plain) == len(rows):
+            return logits.argmax(-1).tolist()
+        tokens = logits.argmax(-1).tolist() if plain else [0] * len(rows)
+        others = [i for i, s in enumerate(rows) if not s.sampler.plain]
+        chosen = sample([rows[i].sampler for i in others], logits[others],
+                        [(rows[i].request.input_ids, rows[i].output_ids) for i in others])
+        for i, token in zip(others, chosen):
+            tokens[i] = token
         return tokens
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""Per-request token choice: greedy by default, or seeded sampling with temperature, top-k and top-p, after
-the request's repetition, presence and frequency penalties."""
+"""Token choice: greedy by default, or seeded sampling with temperature, top-k and top-p, after each
+request's repetition, presence and frequency penalties; every setting per request, every pass batched."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class SamplingParams:
 
 
 class Sampler:
-    """One per request, with its own random generator: a row's draws never depend on its batch-mates."""
+    """A request's sampling settings and its own random generator: a row's draws never depend on its
+    batch-mates. The drawing itself is batched (``sample``)."""
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.params = params
@@ -44,29 +45,69 @@ class Sampler:
         p = self.params
         return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
-    def __call__(self, logits: torch.Tensor, prompt: torch.Tensor, reply: torch.Tensor) -> int:
-        """The next token from one row of float32 ``logits``, given the ``prompt`` and ``reply`` ids so far."""
-        p = self.params
-        if p.repetition_penalty != 1.0:
-            # As in transformers' RepetitionPenaltyLogitsProcessor: shrink positive logits, grow negative.
-            seen = torch.cat([prompt, reply])
-            scores = logits.gather(0, seen)
-            scores = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
-            logits = logits.scatter(0, seen, scores)
-        if (p.presence_penalty or p.frequency_penalty) and reply.numel():
-            # As OpenAI (and vLLM) define them: on the reply's tokens only, not the prompt's.
-            counts = torch.zeros_like(logits).index_add_(0, reply, torch.ones_like(reply, dtype=logits.dtype))
-            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
-        if p.greedy:
-            return int(logits.argmax())
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = sorted_logits.softmax(0).cumsum(0)
-            drop = cumulative - sorted_logits.softmax(0) >= p.top_p  # keep the token that crosses top_p
-            logits = logits.masked_fill(torch.empty_like(drop).scatter_(0, order, drop), float("-inf"))
-        probs = logits.softmax(0)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[list[int], list[int]]]) -> list[int]:
+    """One token per row of float32 ``logits`` (``[rows, vocabulary]``, changed in place), given each row's
+    (prompt, reply) ids: the penalties, then the greedy rows' argmax and the other rows' draws, each a
+    vectorized pass over the rows that need it (as nano-vllm's and vLLM's samplers do). A row's draw uses
+    its own generator only (an exponential race: the argmax of probabilities over exponential noise, the
+    same distribution as multinomial), so a seed gives its row the same tokens whatever its batch-mates."""
+    params = [s.params for s in samplers]
+    _penalize(logits, params, histories)
+    tokens = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        scaled = logits[index] / _column([params[i].temperature for i in rows], logits)
+        probs = _top_k_top_p(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows]).softmax(-1)
+        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=samplers[i].generator) for i in rows])
+        tokens[index] = (probs / noise.clamp_min_(1e-20)).argmax(-1)
+    return tokens.tolist()
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids of several rows as one ``[rows, longest]`` tensor (padded with the row's first id, harmless to
+    a set) and which entries are real."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], device=device)
+    real = torch.arange(width, device=device)[None] < torch.tensor([len(r) for r in rows], device=device)[:, None]
+    return ids, real
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], list[int]]]) -> None:
+    """The repetition penalty (as transformers' RepetitionPenaltyLogitsProcessor: positive logits of tokens
+    already in the prompt or reply shrink, negative ones grow), then OpenAI's presence and frequency
+    penalties on the reply's tokens, each over the rows that ask for it."""
+    repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if repeat:
+        ids, _ = _padded([histories[i][0] + histories[i][1] for i in repeat], logits.device)
+        seen = torch.zeros(len(repeat), logits.shape[1], dtype=torch.bool, device=logits.device).scatter_(1, ids, True)
+        penalty, index = _column([params[i].repetition_penalty for i in repeat], logits), torch.tensor(repeat, device=logits.device)
+        x = logits[index]
+        logits[index] = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and histories[i][1]]
+    if counted:
+        ids, real = _padded([histories[i][1] for i in counted], logits.device)
+        counts = torch.zeros(len(counted), logits.shape[1], dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(1, ids, real.to(logits.dtype))
+        index = torch.tensor(counted, device=logits.device)
+        logits[index] -= (_column([params[i].frequency_penalty for i in counted], logits) * counts
+                          + _column([params[i].presence_penalty for i in counted], logits) * (counts > 0).to(logits.dtype))
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """``logits`` with every token outside each row's top-k (0: all), then outside the smallest set whose
+    probability reaches its top-p (the token that crosses it kept), set to -inf."""
+    if not any(0 < k < logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    ordered, order = logits.sort(-1, descending=True)
+    k = torch.tensor([k if 0 < k < logits.shape[1] else logits.shape[1] for k in top_k], device=logits.device)
+    drop = torch.arange(logits.shape[1], device=logits.device)[None] >= k[:, None]
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
+    p = _column(top_p, logits)
+    drop |= (p < 1.0) & (probs.cumsum(-1) - probs >= p)
+    return logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))

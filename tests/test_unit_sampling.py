@@ -1,0 +1,69 @@
+"""The batched sampler against the definitions it implements, row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm.sampling import Sampler, SamplingParams, sample
+
+CPU = torch.device("cpu")
+VOCAB = 64
+
+
+def samplers(*params: SamplingParams) -> list[Sampler]:
+    return [Sampler(p, CPU) for p in params]
+
+
+def logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_a_seeded_row_draws_the_same_alone_or_among_any_batch_mates():
+    row = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=7)
+    mates = [SamplingParams(temperature=1.3, seed=1), SamplingParams(), SamplingParams(temperature=0.5, top_k=3)]
+    x = logits(4)
+    history = [([1, 2], [3])] * 4
+    alone = sample(samplers(row), x[:1].clone(), history[:1])[0]
+    for order in ([0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0]):
+        params = [row if i == 0 else mates[i - 1] for i in order]
+        together = sample(samplers(*params), x[order].clone(), history)
+        assert together[order.index(0)] == alone
+
+
+def test_top_k_and_top_p_keep_only_the_tokens_they_allow():
+    x = logits(1)
+    ranked = x[0].argsort(descending=True).tolist()
+    probs = x[0].softmax(-1)
+    nucleus = len([c for c in probs[ranked].cumsum(0).tolist() if c < 0.5]) + 1  # the crossing token kept
+    for seed in range(200):
+        assert sample(samplers(SamplingParams(temperature=1.0, top_k=3, seed=seed)), x.clone(), [([1], [])])[0] in ranked[:3]
+        assert sample(samplers(SamplingParams(temperature=1.0, top_p=0.5, seed=seed)), x.clone(), [([1], [])])[0] in ranked[:nucleus]
+    assert sample(samplers(SamplingParams(temperature=1.0, top_k=1, seed=3)), x.clone(), [([1], [])]) == [ranked[0]]
+
+
+def test_draws_follow_the_softmax_of_the_scaled_logits():
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
+    counts = torch.zeros(VOCAB)
+    for seed in range(4000):
+        counts[sample(samplers(SamplingParams(temperature=0.7, seed=seed)), x.clone(), [([1], [])])[0]] += 1
+    expected = (x[0] / 0.7).softmax(-1)[:4]
+    assert torch.allclose(counts[:4] / 4000, expected, atol=0.03)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=1.5),
+                                    SamplingParams(frequency_penalty=-0.7), SamplingParams(frequency_penalty=0.4, presence_penalty=0.3)])
+def test_penalties_are_the_per_row_definitions(params):
+    """Greedy rows with a penalty: the argmax of the logits penalized as transformers (repetition) and OpenAI
+    (presence, frequency: the reply only) define it, row by row, whatever the other rows ask."""
+    x = logits(3, seed=5)
+    histories = [([4, 9, 9], [9, 11, 11, 11]), ([1], []), ([2, 3], [5, 5, 2])]
+    chosen = sample(samplers(params, SamplingParams(), params), x.clone(), histories)
+    for row, (prompt, reply) in enumerate(histories):
+        y = x[row].clone()
+        p = params if row != 1 else SamplingParams()
+        for token in set(prompt + reply) if p.repetition_penalty != 1.0 else ():
+            y[token] = y[token] / p.repetition_penalty if y[token] > 0 else y[token] * p.repetition_penalty
+        for token in set(reply):
+            y[token] -= p.frequency_penalty * reply.count(token) + p.presence_penalty
+        assert chosen[row] == int(y.argmax()), row
