@@ -66,7 +66,7 @@ class Chunk:
     prompt_tokens: int
     finish_reason: str  # empty until the last chunk: stop or length
     token_logprobs: list[dict] | None = None  # with logprobs: the tokens this chunk's text shows
-    prompt_logprobs: list[dict] | None = None  # with prompt_logprobs, in the first chunk: the prompt's tokens
+    prompt_token_logprobs: list[dict] | None = None  # with prompt_logprobs, in the first chunk: the prompt's tokens
 
 
 def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:

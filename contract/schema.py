@@ -100,8 +100,8 @@ LLM_OUTPUTS = (
     Field("error", "TYPE_STRING", optional=False),
     # With prompt_logprobs, in the first response: a row per prompt token, its log-probability (NaN for
     # the first) then its alternatives'; and its id, then theirs. No rows otherwise.
-    Field("prompt_logprobs", "TYPE_FP32", (-1, -1), optional=False),
-    Field("prompt_logprob_ids", "TYPE_INT32", (-1, -1), optional=False),
+    Field("input_logprobs", "TYPE_FP32", (-1, -1), optional=False),
+    Field("input_logprob_ids", "TYPE_INT32", (-1, -1), optional=False),
 )
 
 

@@ -87,7 +87,7 @@ class Engine:
         seq.sampler = Sampler(seq.request.sampling, self.device)
         seq.text = TextTracker(self.decode, seq.request.stop)
         if seq.request.prompt_logprobs is not None:
-            seq.prompt_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
+            seq.prompt_token_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
         self.metrics.admitted(len(seq.request.input_ids))
 
     @torch.inference_mode()
@@ -139,16 +139,16 @@ class Engine:
     def _logprobs(rows: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprobs | None]:
         """For the rows that ask: the chosen token's log-probability under the model's own distribution
         (as vLLM reports it: before temperature and penalties) and the ``logprobs`` most likely tokens."""
-        asking = [i for i, seq in enumerate(rows) if seq.request.logprobs is not None]
+        asking = [i for i, seq in enumerate(rows) if seq.request.top_logprobs is not None]
         found: list[TokenLogprobs | None] = [None] * len(rows)
         if not asking:
             return found
-        top = max(rows[i].request.logprobs for i in asking)
+        top = max(rows[i].request.top_logprobs for i in asking)
         logprobs = logits[asking].float().log_softmax(-1)
         chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in asking], device=logits.device))[:, 0].tolist()
         best = logprobs.topk(top, -1) if top else None
         for j, i in enumerate(asking):
-            k = rows[i].request.logprobs
+            k = rows[i].request.top_logprobs
             found[i] = TokenLogprobs(chosen[j], best.indices[j, :k].tolist() if k else [],
                                      best.values[j, :k].tolist() if k else [])
         return found
@@ -160,7 +160,7 @@ class Engine:
             return
         seq.output_ids.append(token)
         if logprobs is not None:
-            seq.logprobs.append(logprobs)
+            seq.token_logprobs.append(logprobs)
         if seq.text.add(seq.output_ids):
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_ids) >= request.max_tokens:

@@ -33,7 +33,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()  # matched on the decoded text of the reply
     ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
-    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
+    top_logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     @property
@@ -70,8 +70,8 @@ class Sequence:
     handle: Any = None  # the caller's token for this request (a Triton response sender in the server)
     stream: bool = False  # the caller wants every token, not only the end
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, when the request asks
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt id after the first, if asked
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, when the request asks
+    prompt_token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt id after the first, if asked
     finish_reason: FinishReason | None = None
     error: str | None = None
     sent_tokens: int = 0  # output_ids already handed to the caller (kept by whoever answers) ...

@@ -202,7 +202,7 @@ class CompletionReply(Reply):
 
     def chunk(self, index, piece, first):
         text = (self._echo(index) if first else "") + piece.text_output
-        items = (piece.prompt_logprobs or []) + piece.token_logprobs if piece.prompt_logprobs else piece.token_logprobs
+        items = (piece.prompt_token_logprobs or []) + piece.token_logprobs if piece.prompt_token_logprobs else piece.token_logprobs
         choice = CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, items),
                                   finish_reason=piece.finish_reason or None)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
@@ -460,7 +460,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
                         texts[index] += piece.text_output
                         reasons[index] = piece.finish_reason
                         if piece.token_logprobs is not None:  # after the prompt's, when echoed (the first piece)
-                            logprobs[index] = (logprobs[index] or []) + (piece.prompt_logprobs or []) + piece.token_logprobs
+                            logprobs[index] = (logprobs[index] or []) + (piece.prompt_token_logprobs or []) + piece.token_logprobs
                     if len(finished) == len(prompts):
                         break
                     pending = await more()

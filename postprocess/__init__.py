@@ -88,7 +88,7 @@ class Detokenizer:
         (``ids``) and their log-probabilities (``logprobs``); the first token's are NaN, so its logprob is
         None (nothing comes before it, as vLLM reports it)."""
         if len(logprobs) != len(ids) or not ids:
-            raise InvalidInput(f"prompt_logprobs and prompt_logprob_ids need a row per prompt id ({len(ids)})")
+            raise InvalidInput(f"input_logprobs and input_logprob_ids need a row per prompt id ({len(ids)})")
         first = {**self._token(ids[0][0]), "logprob": None, "top_logprobs": []}
         return [first, *(self._entry(row[0], values, row[1:]) for values, row in zip(logprobs[1:], ids[1:]))]
 

@@ -386,12 +386,12 @@ def test_prompt_logprobs_are_the_models_own_and_meet_the_generated_tokens(model,
     prompt = [5, 17, 42, 9, 100, 3]
     seq = run(llm.engine(), [Sequence(llm.validate(prompt, 1, logprobs=True, prompt_logprobs=3))])[0]
     expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
-    assert len(seq.prompt_logprobs) == len(prompt) - 1
-    for position, lp in enumerate(seq.prompt_logprobs, start=1):
+    assert len(seq.prompt_token_logprobs) == len(prompt) - 1
+    for position, lp in enumerate(seq.prompt_token_logprobs, start=1):
         assert lp.logprob == pytest.approx(expected[position - 1, prompt[position]].item(), abs=1e-4)
         assert lp.top_ids == expected[position - 1].topk(3).indices.tolist()
     again = run(llm.engine(), [Sequence(llm.validate(prompt + seq.output_ids, 1, prompt_logprobs=0))])[0]
-    assert again.prompt_logprobs[-1].logprob == pytest.approx(seq.logprobs[0].logprob, abs=1e-4)
-    assert again.prompt_logprobs[-1].top_ids == []
+    assert again.prompt_token_logprobs[-1].logprob == pytest.approx(seq.token_logprobs[0].logprob, abs=1e-4)
+    assert again.prompt_token_logprobs[-1].top_ids == []
     plain = run(llm.engine(), [Sequence(llm.validate(prompt, 1))])[0]
-    assert plain.prompt_logprobs == [] and plain.output_ids == seq.output_ids  # nothing asked, nothing computed
+    assert plain.prompt_token_logprobs == [] and plain.output_ids == seq.output_ids  # nothing asked, nothing computed

@@ -46,26 +46,26 @@ def _failure(seq: Sequence) -> str:
 def _logprobs(seq: Sequence, start: int, end: int) -> dict[str, np.ndarray]:
     """The log-probabilities of ``output_ids[start:end]``, a row per id: the id's own, then its top
     alternatives (and their ids). Zero columns when the request did not ask."""
-    k = seq.request.logprobs
-    rows = seq.logprobs[start:end] if k is not None else []
+    k = seq.request.top_logprobs
+    rows = seq.token_logprobs[start:end] if k is not None else []
     values = np.array([[lp.logprob, *lp.top_logprobs] for lp in rows], dtype=np.float32).reshape(len(rows), -1 if rows else 0)
     ids = np.array([lp.top_ids for lp in rows], dtype=np.int32).reshape(len(rows), k or 0)
     return {"output_logprobs": values[None], "top_logprob_ids": ids[None]}
 
 
-def _prompt_logprobs(seq: Sequence, first: bool) -> dict[str, np.ndarray]:
+def _input_logprobs(seq: Sequence, first: bool) -> dict[str, np.ndarray]:
     """With ``prompt_logprobs``, in the first response: a row per prompt id, its log-probability (NaN for
     the first) then its alternatives', and its id then theirs. No rows otherwise."""
     k = seq.request.prompt_logprobs
     if not first or k is None:
-        return {"prompt_logprobs": np.zeros((1, 0, 0), np.float32), "prompt_logprob_ids": np.zeros((1, 0, 0), np.int32)}
+        return {"input_logprobs": np.zeros((1, 0, 0), np.float32), "input_logprob_ids": np.zeros((1, 0, 0), np.int32)}
     ids = seq.request.input_ids
     values, top = np.full((len(ids), 1 + k), np.nan, np.float32), np.full((len(ids), 1 + k), -1, np.int32)
     top[:, 0] = ids
-    for row, lp in enumerate(seq.prompt_logprobs, start=1):
+    for row, lp in enumerate(seq.prompt_token_logprobs, start=1):
         values[row] = [lp.logprob, *lp.top_logprobs]
         top[row, 1:] = lp.top_ids
-    return {"prompt_logprobs": values[None], "prompt_logprob_ids": top[None]}
+    return {"input_logprobs": values[None], "input_logprob_ids": top[None]}
 
 
 class TritonPythonModel:
@@ -184,7 +184,7 @@ class TritonPythonModel:
             generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
             error=np.array([[_failure(seq).encode() if failed else b""]], dtype=np.object_),
             **_logprobs(seq, start, count),
-            **_prompt_logprobs(seq, first=seq.sent_tokens == 0),
+            **_input_logprobs(seq, first=seq.sent_tokens == 0),
         ), flags=FINAL if finished else 0)
         seq.sent_tokens = count
         return finished

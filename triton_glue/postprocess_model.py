@@ -78,8 +78,8 @@ class TritonPythonModel:
             logprobs=logprobs.tolist() if asked else None, top_ids=top_ids.tolist() if asked else None,
         ))
         token_logprobs = b"" if delta.logprobs is None else json.dumps(delta.logprobs).encode()
-        prompt_logprobs, prompt_ids = single(request, "prompt_logprobs"), single(request, "prompt_logprob_ids")
+        prompt_values, prompt_rows = single(request, "input_logprobs"), single(request, "input_logprob_ids")
         prompt = b""
-        if prompt_logprobs is not None and prompt_ids is not None and prompt_ids.shape[0] > 0:
-            prompt = json.dumps(self.detokenizer.prompt_entries(prompt_logprobs.tolist(), prompt_ids.tolist())).encode()
+        if prompt_values is not None and prompt_rows is not None and prompt_rows.shape[0] > 0:
+            prompt = json.dumps(self.detokenizer.prompt_entries(prompt_values.tolist(), prompt_rows.tolist())).encode()
         return _chunk(request, delta.text, token_logprobs, finish_reason, prompt)
