@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from client import Chunk
 from openai_frontend.__main__ import api_keys
-from openai_frontend.app import ChatReply, CompletionReply, _pipeline_prompts, _union_member
+from openai_frontend.app import _pipeline_prompts, _union_member
+from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.schemas import (ChatCompletionRequest, CompletionRequest, FieldError, UnsupportedField, Usage,
                                      without_unsupported)
 
@@ -116,7 +117,8 @@ def test_a_body_nested_too_deeply_is_a_client_error():
     """Found by the fuzz test: json.loads raises RecursionError, which was a 500."""
     import asyncio
 
-    from openai_frontend.app import APIError, Settings, _parse
+    from openai_frontend.app import Settings, _parse
+    from openai_frontend.errors import APIError
 
     class Body:
         async def body(self) -> bytes:
@@ -137,7 +139,7 @@ def test_a_body_nested_too_deeply_is_a_client_error():
 def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, status, code):
     from tritonclient.utils import InferenceServerException
 
-    from openai_frontend.app import APIError
+    from openai_frontend.errors import APIError
     from openai_frontend.triton import _error
 
     error = APIError.of(_error(InferenceServerException(msg=message)), {})
@@ -159,7 +161,7 @@ def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, sta
 def test_pipeline_errors_name_the_field_the_client_sent(message, names, expected, param):
     from tritonclient.utils import InferenceServerException
 
-    from openai_frontend.app import APIError
+    from openai_frontend.errors import APIError
     from openai_frontend.triton import _error
 
     error = APIError.of(_error(InferenceServerException(msg=f"in ensemble 'ensemble', {message}")), names)

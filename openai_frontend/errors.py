@@ -1,0 +1,46 @@
+"""The OpenAI API's errors: OpenAI's error object, its statuses and types, and the pipeline's errors in the
+client's words."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.responses import JSONResponse
+
+from openai_frontend.schemas import Error, ErrorResponse
+from openai_frontend.triton import PipelineError
+
+RETRY_AFTER_SECONDS = 1
+STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499, "timeout": 504}
+# OpenAI's: every client mistake is an invalid_request_error (the code says which), a failure of ours a
+# server_error; overload and a deadline keep names of their own, as vLLM's do.
+ERROR_TYPES = {503: "service_unavailable", 504: "timeout"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @classmethod
+    def of(cls, error: PipelineError, names: dict[str, str]) -> "APIError":
+        """The pipeline's error in the client's words: the field it names first (an input tensor, such as
+        ``text_input``) becomes the one the client sent (``prompt``), and ``param``."""
+        message, param = str(error), None
+        field = re.match(r"[a-z_]+", message) if error.kind == "invalid" else None
+        if field and field.group() in names:
+            param = names[field.group()]
+            message = param + message[field.end():]
+        return cls(STATUS[error.kind], message, param, code=None if error.kind == "invalid" else error.kind)
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return ErrorResponse(error=Error(message=str(self), type=kind, param=self.param, code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers=retry)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
