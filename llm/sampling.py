@@ -46,6 +46,12 @@ class Sampler:
         return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
+# A sampled row draws among its most likely tokens first: exact whenever they hold its top-k, or the
+# probability its top-p asks (almost always), at a fraction of the cost of sorting the whole vocabulary
+# (3 ms against 25 ms for 16 rows of 49,152 on 2 cores, measured); the other rows take the full pass.
+CANDIDATES = 1024
+
+
 def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[list[int], list[int]]]) -> list[int]:
     """One token per row of float32 ``logits`` (``[rows, vocabulary]``, changed in place), given each row's
     (prompt, reply) ids: the penalties, then the greedy rows' argmax and the other rows' draws, each a
@@ -59,10 +65,42 @@ def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[
     if rows:
         index = torch.tensor(rows, device=logits.device)
         scaled = logits[index] / _column([params[i].temperature for i in rows], logits)
-        probs = _top_k_top_p(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows]).softmax(-1)
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=samplers[i].generator) for i in rows])
-        tokens[index] = (probs / noise.clamp_min_(1e-20)).argmax(-1)
+        tokens[index] = _draw(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows],
+                              [samplers[i].generator for i in rows])
     return tokens.tolist()
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Each row's draw from ``probs`` (unnormalized, zeros excluded), by its own generator."""
+    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
+    return (probs / noise.clamp_min_(1e-20)).argmax(-1)
+
+
+def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], generators: list[torch.Generator]) -> torch.Tensor:
+    """A token per row of temperature-scaled logits, from the tokens its top-k (0: all) and then its top-p
+    (the smallest set whose probability reaches it, the crossing token kept) allow."""
+    vocabulary, device = scaled.shape[1], scaled.device
+    width = min(CANDIDATES, vocabulary)
+    values, order = scaled.topk(width, -1)  # most likely first
+    k = torch.tensor([k if 0 < k < vocabulary else vocabulary for k in top_k], device=device)[:, None]
+    p = _column(top_p, scaled)
+    within = k <= width  # the top-k lies among the candidates: its distribution is theirs, renormalized
+    drop = torch.arange(width, device=device)[None] >= k
+    probs = torch.where(within, values.masked_fill(drop, float("-inf")).softmax(-1),
+                        (values - scaled.logsumexp(-1, keepdim=True)).exp())
+    reach = probs.cumsum(-1)
+    drop |= (p < 1.0) & (reach - probs >= p)
+    exact = (within | ((p < 1.0) & (reach[:, -1:] >= p)))[:, 0].tolist()
+    tokens = torch.empty(len(top_k), dtype=torch.long, device=device)
+    near = [i for i, e in enumerate(exact) if e]
+    if near:
+        picked = _race(probs[near].masked_fill(drop[near], 0.0), [generators[i] for i in near])
+        tokens[near] = order[near].gather(1, picked[:, None])[:, 0]
+    far = [i for i, e in enumerate(exact) if not e]
+    if far:
+        full = _top_k_top_p(scaled[far], [top_k[i] for i in far], [top_p[i] for i in far]).softmax(-1)
+        tokens[far] = _race(full, [generators[i] for i in far])
+    return tokens
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

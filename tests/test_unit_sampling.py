@@ -67,3 +67,33 @@ def test_penalties_are_the_per_row_definitions(params):
         for token in set(reply):
             y[token] -= p.frequency_penalty * reply.count(token) + p.presence_penalty
         assert chosen[row] == int(y.argmax()), row
+
+
+def nucleus(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p allow, by the definition: sort the whole vocabulary."""
+    ordered, order = row.sort(descending=True)
+    kept = ordered.clone()
+    if top_k:
+        kept[top_k:] = float("-inf")
+    probs = kept.softmax(-1)
+    allowed = (probs.cumsum(-1) - probs < top_p) & (probs > 0)
+    return set(order[allowed].tolist())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 0.95), (20, 0.5), (0, 0.3)])
+def test_draws_among_the_candidates_or_the_whole_vocabulary_keep_to_the_definition(monkeypatch, top_k, top_p):
+    """With fewer candidates than the vocabulary (8 of 64 here, 1024 in service): a peaked row finds its
+    nucleus among them, a flat one does not and takes the full pass; both only ever draw allowed tokens,
+    and a seeded row draws the same alone or beside rows of the other kind."""
+    monkeypatch.setattr("llm.sampling.CANDIDATES", 8)
+    peaked, flat = logits(1, seed=2) * 4, logits(1, seed=3) * 0.05
+    for row in (peaked, flat):
+        allowed = nucleus(row[0], top_k, top_p)
+        for seed in range(100):
+            token = sample(samplers(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)), row.clone(),
+                           [([1], [])])[0]
+            assert token in allowed
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, seed=11)
+    alone = [sample(samplers(params), row.clone(), [([1], [])])[0] for row in (peaked, flat)]
+    together = sample(samplers(params, params), torch.cat([peaked, flat]), [([1], [])] * 2)
+    assert together == alone
