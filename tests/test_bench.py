@@ -102,12 +102,14 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     systems = {"in_process", "static", "ensemble_http", "ensemble_grpc"}  # no peers in quick mode
     seen = {(p["system"], p["workload"], p["concurrency"]) for p in results["points"]}
     openai = {("openai_http", "fixed", c) for c in plan["openai_concurrency"]}  # guidellm runs in full mode only
-    assert seen == {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]} | openai
+    sampled = {("ensemble_http", "sampled", c) for c in plan["sampled_concurrency"]}
+    served = {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]}
+    assert seen == served | openai | sampled
     assert {p["dtype"] for p in results["points"]} == {results["model"]["dtype"]}
     for p in results["points"]:
         assert p["requests"] == max(8, plan["rounds"] * p["concurrency"]) and p["tokens_per_s"] > 0
         assert p["p99_ms"] >= p["p50_ms"] >= p["ttft_p50_ms"] > 0 and 0 < p["roofline_fraction"] < 1
-        if p["workload"] == "fixed":  # ignore_eos: every request generates exactly fixed_tokens
+        if p["workload"] in ("fixed", "sampled"):  # ignore_eos: every request generates exactly fixed_tokens
             assert p["output_tokens"] == p["requests"] * plan["fixed_tokens"]
         if p["system"] in ("ensemble_http", "openai_http"):
             assert p["server"]["llm"]["requests"] == p["requests"]
@@ -117,7 +119,7 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     assert all(r["vs_generate_stream"] > 0 and r["guidellm_tokens_per_s"] is None for r in results["openai"])
     table = (tmp_path / "results.md").read_text()
     assert "| concurrency | generate_stream tok/s | OpenAI tok/s (ours) |" in table
-    assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table
+    assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table and "**sampled** workload" in table
     for plot in ("fixed.png", "variable.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
