@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 RUN_ARGS ?=
 
-.PHONY: help venv model run serve serve-triton test bench gpu-check clean
+.PHONY: help venv model run serve serve-triton test bench generate gpu-check clean
 
 help:
 	@echo "make run          install, prepare the model, serve (Triton + OpenAI API), answer PROMPT, keep serving"
@@ -15,6 +15,7 @@ help:
 	@echo "make test         the whole test suite against a real tritonserver (what CI runs)"
 	@echo "make bench        the benchmark (QUICK=1: about 5 minutes; NO_PEERS=1: without llama-server and vLLM)"
 	@echo "make gpu-check    on a GPU host: start-up, nothing compiled under traffic, c=1/16/64, the engine at 1B and 8B shapes"
+	@echo "make generate     write contract/schema.py's request fields into the model configs and docs/api.md"
 	@echo "make model        prepare the default model only; make venv: install only; make clean: remove both"
 
 $(STAMP): requirements.txt requirements-models.txt requirements-frontend.txt requirements-test.txt requirements-bench.txt
@@ -43,6 +44,10 @@ serve-triton: venv
 
 test: venv
 	$(BIN)/python -m pytest
+
+# The configs' input and output sections and docs/api.md's field table, from contract/schema.py.
+generate: venv
+	$(BIN)/python -m contract.generate
 
 # make bench: the full sweep (tens of minutes on 2 cores); make bench QUICK=1: under 5 minutes;
 # make bench NO_PEERS=1: the full sweep without llama-server and vLLM.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import queue
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Iterator
 
 import numpy as np
@@ -26,35 +26,23 @@ INFER_MODEL = "ensemble_infer"
 OUTPUTS = tuple(f.name for f in RESPONSE)
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """The ensemble's inputs; None leaves an optional input out so the server default applies.
-    ``messages`` (a conversation, OpenAI-style dicts) replaces ``text_input`` when given."""
+def _body(self) -> dict:
+    """The JSON body of ``generate`` / ``generate_stream`` (a JSON field, such as ``messages``, as the JSON
+    text its input holds)."""
+    return {f.name: json.dumps(getattr(self, f.name)) if f.json else getattr(self, f.name)
+            for f in PROMPT_FIELDS if getattr(self, f.name) not in (None, [])}
 
-    text_input: str | None = None
-    max_tokens: int | None = None
-    system_prompt: str | None = None
-    apply_chat_template: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool | None = None
-    messages: list[dict] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    prompt_logprobs: int | None = None
 
-    def body(self) -> dict:
-        """The JSON body of ``generate`` / ``generate_stream`` (``messages`` as the JSON text the input holds)."""
-        body = {k: v for k, v in asdict(self).items() if v is not None and v != []}
-        if self.messages is not None:
-            body["messages"] = json.dumps(self.messages)
-        return body
+PROMPT_FIELDS = tuple(f for f in REQUEST if f.name != "stream")  # stream is the call's choice, not the prompt's
+# The ensemble's inputs, one attribute per request field of contract/schema.py, in its order; None (or an
+# empty list) leaves an input out so the server default applies. ``messages`` (a conversation,
+# OpenAI-style dicts) replaces ``text_input`` when given.
+Prompt = make_dataclass(
+    "Prompt",
+    [(f.name, f.python_type, field(default_factory=list)) if f.dims == (-1,) else (f.name, f.python_type | None, None)
+     for f in PROMPT_FIELDS],
+    frozen=True, namespace={"body": _body, "__module__": __name__},
+)
 
 
 @dataclass(frozen=True)
@@ -81,16 +69,16 @@ def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
         return np.array([[v.encode() for v in values]], dtype=np.object_).reshape(1, len(values))
 
     inputs = []
-    for spec in REQUEST:  # contract/schema.py: each field's Triton type
-        value = None if spec.name == "stream" else getattr(prompt, spec.name)
+    for spec in PROMPT_FIELDS:  # contract/schema.py: each field's Triton type
+        value = getattr(prompt, spec.name)
         if value is None or value == []:
             continue
-        if spec.name == "messages":
+        if spec.json is not None:
             value = json.dumps(value)
         if spec.data_type == "TYPE_STRING":
             array = text(value if isinstance(value, list) else [value])
         else:
-            array = np.array([[value]], dtype=spec.numpy_type)
+            array = np.array([value if isinstance(value, list) else [value]], dtype=spec.numpy_type)
         inputs.append(tensor(spec.name, array, spec.wire_type))
     if stream is not None:
         inputs.append(tensor("stream", np.array([[stream]], dtype=bool), "BOOL"))

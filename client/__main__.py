@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from tritonclient.utils import InferenceServerException
 
-from client import ChatClient, Prompt
+from client import PROMPT_FIELDS, ChatClient, Prompt
+from contract.schema import PYTHON_TYPES
+
+
+def _add_fields(parser: argparse.ArgumentParser) -> None:
+    """A flag per request field of contract/schema.py (``--max-tokens``, ``--top-p``, ...), with its help."""
+    for f in PROMPT_FIELDS[1:]:  # text_input is the positional argument
+        flag, default = "--" + f.name.replace("_", "-"), f" (server default {f.default})" if f.default is not None else ""
+        kwargs: dict = {"dest": f.name, "help": f.help + default}
+        if f.json is not None:
+            kwargs.update(type=json.loads, metavar="JSON")
+        elif f.dims == (-1,):
+            kwargs.update(action="append", type=PYTHON_TYPES[f.data_type], help=f.help + " (repeatable)")
+        elif f.data_type == "TYPE_BOOL":
+            kwargs.update(action=argparse.BooleanOptionalAction)
+        else:
+            kwargs.update(type=PYTHON_TYPES[f.data_type])
+        parser.add_argument(flag, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,20 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="localhost:8000", help="host:port (8000 for http, 8001 for grpc)")
     parser.add_argument("--protocol", choices=["http", "grpc"], default="http")
     parser.add_argument("--no-stream", action="store_true", help="wait for the whole reply (KServe infer)")
-    parser.add_argument("--max-tokens", type=int, dest="max_tokens", help="reply budget (server default 64)")
-    parser.add_argument("--system-prompt", dest="system_prompt", help="system message for the chat template")
-    parser.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
-    parser.add_argument("--temperature", type=float, help="0 (the default) is greedy")
-    parser.add_argument("--top-p", type=float, dest="top_p")
-    parser.add_argument("--top-k", type=int, dest="top_k")
-    parser.add_argument("--repetition-penalty", type=float, dest="repetition_penalty")
-    parser.add_argument("--seed", type=int, help="repeatable sampling")
-    parser.add_argument("--stop", action="append", default=[], help="a string that ends the reply (repeatable)")
+    parser.add_argument("--raw", action="store_true", help="send the text as is, without the chat template "
+                        "(--no-apply-chat-template)")
+    _add_fields(parser)
     args = parser.parse_args(argv)
-    prompt = Prompt(
-        args.text_input, args.max_tokens, args.system_prompt, False if args.raw else None, args.temperature,
-        args.top_p, args.top_k, args.repetition_penalty, args.seed, args.stop,
-    )
+    if args.raw:
+        args.apply_chat_template = False
+    prompt = Prompt(**{f.name: getattr(args, f.name) for f in PROMPT_FIELDS if getattr(args, f.name) is not None})
     client = ChatClient(args.url, args.protocol)
     try:
         if args.no_stream:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from contract.errors import InvalidInput
 from contract.paths import allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
@@ -18,14 +16,12 @@ from llm.kv import BLOCK_SIZE, BlockTable, cache_slots
 from llm.model import Decoder
 from llm.compiles import Progress
 from llm.runner import ModelRunner
-from llm.sampling import SamplingParams
+from llm.request import GenerationRequest, Limits, SamplingParams, validate
 from llm.scheduler import Scheduler
-from llm.sequence import GenerationRequest, Metrics
+from llm.sequence import Metrics
 from llm.shapes import Shapes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SEED_LIMIT = 2**63 - 1
-TOP_LOGPROBS_LIMIT = 5  # as OpenAI's chat API allows (it documents 20; 5 is its legacy completions limit)
 
 
 @dataclass(frozen=True)
@@ -100,17 +96,6 @@ def configure_threads(instance_count: int, device: torch.device) -> int:
     return threads
 
 
-def _in_range(name: str, value, low, high, default, *, low_open: bool = False):
-    """``value`` or ``default`` when absent; finite and in range, or an error naming field and range."""
-    if value is None:
-        return default
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidInput(f"{name} must be a finite number, got {value}")
-    if (value <= low if low_open else value < low) or value > high:
-        raise InvalidInput(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
-    return value
-
-
 class LLM:
     """The weights, what a request may ask of them, and the engine that runs them."""
 
@@ -138,6 +123,8 @@ class LLM:
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
         self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
+        self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
+                             config.max_stop_count, config.max_stop_bytes, self.fingerprint)
 
     def engine(self, metrics: Metrics | None = None, progress: Progress | None = None,
                pad: bool | None = None) -> Engine:
@@ -163,79 +150,9 @@ class LLM:
     def decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)
 
-    def validate(
-        self,
-        input_ids: list[int],
-        max_tokens: int | None = None,
-        *,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: list[bytes] | None = None,
-        ignore_eos: bool | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        tokenizer_fingerprint: str | None = None,
-    ) -> GenerationRequest:
-        """One place for every per-request limit; raises ``InvalidInput`` naming field and range."""
-        c = self.config
-        if tokenizer_fingerprint is not None and tokenizer_fingerprint != self.fingerprint:
-            raise InvalidInput(
-                f"tokenizer_fingerprint {tokenizer_fingerprint!r} does not match the llm model's vocabulary "
-                f"({self.fingerprint!r}): preprocess's tokenizer must share the model's vocabulary"
-            )
-        max_tokens = _in_range("max_tokens", max_tokens, 1, c.max_tokens_limit, c.default_max_tokens)
-        sampling = SamplingParams(
-            temperature=float(_in_range("temperature", temperature, 0.0, 2.0, 0.0)),
-            top_p=float(_in_range("top_p", top_p, 0.0, 1.0, 1.0, low_open=True)),
-            top_k=int(_in_range("top_k", top_k, 0, self.vocab_size, 0)),
-            repetition_penalty=float(_in_range("repetition_penalty", repetition_penalty, 0.0, 2.0, 1.0, low_open=True)),
-            presence_penalty=float(_in_range("presence_penalty", presence_penalty, -2.0, 2.0, 0.0)),
-            frequency_penalty=float(_in_range("frequency_penalty", frequency_penalty, -2.0, 2.0, 0.0)),
-            seed=_in_range("seed", seed, 0, SEED_LIMIT, None),
-        )
-        top_logprobs = int(_in_range("top_logprobs", top_logprobs, 0, TOP_LOGPROBS_LIMIT, 0))
-        if top_logprobs and not logprobs:
-            raise InvalidInput(f"top_logprobs={top_logprobs} needs logprobs=true")
-        prompt_logprobs = _in_range("prompt_logprobs", prompt_logprobs, 0, TOP_LOGPROBS_LIMIT, None)
-        if not input_ids:
-            raise InvalidInput("input_ids must not be empty")
-        bad = next((i for i in input_ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidInput(
-                f"input_ids holds token id {bad}, outside the model vocabulary [0, {self.vocab_size}): "
-                "the tokenizer in preprocess does not match the llm model"
-            )
-        room = self.room
-        if len(input_ids) + max_tokens > room:
-            raise InvalidInput(
-                f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the {room} tokens "
-                "one request may hold (the model context or kv_cache_tokens): shorten the prompt or lower max_tokens"
-            )
-        return GenerationRequest(list(input_ids), max_tokens, sampling, self._stop(stop or []), bool(ignore_eos),
-                                 top_logprobs if logprobs else None, None if prompt_logprobs is None else int(prompt_logprobs))
-
-    def _stop(self, stop: list[bytes]) -> tuple[str, ...]:
-        c = self.config
-        if len(stop) > c.max_stop_count:
-            raise InvalidInput(f"stop holds {len(stop)} strings; the limit is {c.max_stop_count} (max_stop_count)")
-        texts = []
-        for i, raw in enumerate(stop):
-            if len(raw) > c.max_stop_bytes:
-                raise InvalidInput(f"stop[{i}] is {len(raw)} bytes; the limit is {c.max_stop_bytes} (max_stop_bytes)")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidInput(f"stop[{i}] is not valid UTF-8") from None
-            if not text:
-                raise InvalidInput(f"stop[{i}] must not be empty")
-            texts.append(text)
-        return tuple(texts)
+    def validate(self, input_ids: list[int], max_tokens: int | None = None, **fields) -> GenerationRequest:
+        """``llm.request.validate`` with this model's limits."""
+        return validate(self.limits, input_ids, max_tokens, **fields)
 
 
 __all__ = ["LLM", "LLMConfig", "GenerationRequest", "SamplingParams", "configure_threads", "load_model", "resolve_dtype"]

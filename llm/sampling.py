@@ -3,26 +3,9 @@ request's repetition, presence and frequency penalties; every setting per reques
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens. The defaults are greedy decoding with no penalty."""
-
-    temperature: float = 0.0  # 0 picks the most likely token
-    top_p: float = 1.0  # sample from the smallest set of tokens whose probability reaches top_p
-    top_k: int = 0  # sample from the k most likely tokens; 0 means all
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the reply
-    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the reply
-    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token appears in the reply
-    seed: int | None = None  # same seed, same prompt, same params: same tokens, whatever the batch
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from llm.request import SamplingParams
 
 
 class Sampler:

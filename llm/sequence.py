@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 
 from contract.schema import FinishReason
 from contract.stops import TextTracker
-from llm.sampling import Sampler, SamplingParams
+from llm.request import GenerationRequest
+from llm.sampling import Sampler
 
 
 class TokenLogprobs(NamedTuple):
@@ -22,23 +23,6 @@ class TokenLogprobs(NamedTuple):
 
 class Overloaded(RuntimeError):
     """The server is full; the message says which limit, and the client should retry later."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A validated request: ids within the vocabulary, a reply budget that fits the context."""
-
-    input_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()  # matched on the decoded text of the reply
-    ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
-    top_logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first
-
-    @property
-    def reserved_tokens(self) -> int:
-        return len(self.input_ids) + self.max_tokens
 
 
 class Metrics:

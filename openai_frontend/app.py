@@ -31,7 +31,7 @@ from openai_frontend.answer import Deadline, Generations, answer
 from openai_frontend.errors import APIError, ClientGone
 from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.schemas import (
-    ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, UnsupportedField,
+    PASSED, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, UnsupportedField,
     without_unsupported,
 )
 from openai_frontend.shutdown import Drain
@@ -39,8 +39,7 @@ from openai_frontend.triton import Triton
 
 log = logging.getLogger("openai_frontend")
 # The pipeline names the field at fault first in its messages; these are the names clients sent.
-SAMPLING_NAMES = {n: n for n in ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty",
-                                 "frequency_penalty", "seed", "stop", "ignore_eos")}
+SAMPLING_NAMES = {f.name: f.name for f in PASSED} | {"stop": "stop"}
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,9 @@ class Metrics:
 
 def _pipeline_prompts(body: GenerationFields, base: dict, n: int) -> list[Prompt]:
     """n generations of one prompt, seeded ``seed``, ``seed+1``, ... when a seed is given."""
-    common = dict(
-        max_tokens=body.budget, temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        stop=body.stops(), ignore_eos=body.ignore_eos, **base,
-    )
-    return [Prompt(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]
+    common = {**body.passed(), "temperature": 1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+              "max_tokens": body.budget, "stop": body.stops(), **base}
+    return [Prompt(**common | {"seed": None if body.seed is None else body.seed + i}) for i in range(n)]
 
 
 class Gate:

@@ -3,8 +3,9 @@
 Requests are strict: a wrong type is the client's error (``"max_tokens": "5"`` is refused, not coerced),
 and every field OpenAI defines that this server does not do is refused by name (``UNSUPPORTED``) instead
 of being silently ignored (its absent, null and "off" values are accepted). Ranges are not checked here: the pipeline checks them and its messages reach
-the client unchanged, so the limits live in one place (llm's config). Our extensions (``top_k``,
-``repetition_penalty``, ``ignore_eos``) are accepted beside OpenAI's fields, as vLLM accepts them.
+the client unchanged, so the limits live in one place (contract/schema.py and llm's config). The fields
+passed on as they are come from contract/schema.py (``PASSED``): OpenAI's sampling fields and the
+extensions vLLM accepts beside them (``top_k``, ``repetition_penalty``, ``ignore_eos``, ...).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from contract.schema import REQUEST
 
 MAX_N = 8  # choices per request: each is a generation of its own in llm's batch
 
@@ -92,25 +95,26 @@ class ResponseFormat(Strict):
     type: Literal["text"]
 
 
-class GenerationFields(Strict):
+# The request fields of contract/schema.py that the OpenAI API takes by the same name and passes on as
+# they are (OpenAI's own, and the extensions vLLM accepts beside them); the rest are mapped by hand.
+PASSED = tuple(f for f in REQUEST if f.openai)
+PassedFields = create_model("PassedFields", __base__=Strict, **{f.name: (f.python_type | None, None) for f in PASSED})
+
+
+class GenerationFields(PassedFields):
     """What both endpoints take."""
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
     user: str | None = None  # accepted and ignored, as OpenAI uses it only for abuse monitoring
-    # Extensions, as vLLM accepts them.
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
+
+    def passed(self) -> dict:
+        """The pass-through fields the client set, by their pipeline names."""
+        return {f.name: getattr(self, f.name) for f in PASSED if getattr(self, f.name) is not None}
 
     def check(self) -> None:
         """What the field types cannot say; raises ``FieldError``."""

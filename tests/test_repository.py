@@ -78,7 +78,7 @@ def fields(*groups: tuple[Field, ...], optional: bool | None = None) -> list[tup
     ("ensemble_infer", [f for f in fields(schema.REQUEST) if f[0] != "stream"], fields(schema.RESPONSE)),
     ("preprocess", fields(schema.request_fields("preprocess")), fields(schema.PREPROCESS_OUTPUTS)),
     ("llm", sorted(fields(schema.request_fields("llm")) + fields(schema.PREPROCESS_OUTPUTS[:1])
-                   + fields(schema.PREPROCESS_OUTPUTS[1:], optional=True)), fields(schema.LLM_OUTPUTS)),
+                   + fields(schema.PREPROCESS_OUTPUTS[1:], optional=True)), fields(schema.LLM_OUTPUTS, optional=False)),
     ("postprocess", None, fields(schema.RESPONSE)),
 ])
 def test_configs_declare_the_tensors_of_contract_schema(model, inputs, outputs):
@@ -150,7 +150,9 @@ def test_tokenizer_models_run_on_the_cpu():
 
 
 def test_client_sends_exactly_the_ensemble_input_names():
-    prompt = Prompt("hi", 4, "sys", False, 0.5, 0.9, 40, 1.1, 7, ["\n"], True, None, 0.1, 0.2, True, 2, 1)
+    prompt = Prompt("hi", 4, system_prompt="sys", apply_chat_template=False, temperature=0.5, top_p=0.9, top_k=40,
+                    repetition_penalty=1.1, seed=7, stop=["\n"], ignore_eos=True, presence_penalty=0.1,
+                    frequency_penalty=0.2, logprobs=True, top_logprobs=2, prompt_logprobs=1)
     names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
     conversation = Prompt(messages=[{"role": "user", "content": "hi"}])
     assert {i.name() for i in build_inputs(httpclient, conversation)} == {"messages"}

@@ -1,0 +1,129 @@
+"""A request as the engine takes it, and the one place it is validated: no model, no torch.
+
+Every range comes from the request's ``Field`` in ``contract/schema.py`` (``Field.check``); what a
+deployment decides (its vocabulary, the room one request may hold, the reply budget, the stop-string
+limits) comes in ``Limits``. A field of ``SamplingParams`` is filled from the request field of its name,
+so a new sampling parameter is a ``Field``, a ``SamplingParams`` attribute and the sampler's code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from contract.errors import InvalidInput
+from contract.schema import PYTHON_TYPES, request_fields
+
+FIELDS = {f.name: f for f in request_fields("llm")}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. The defaults are greedy decoding with no penalty."""
+
+    temperature: float = 0.0  # 0 picks the most likely token
+    top_p: float = 1.0  # sample from the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # sample from the k most likely tokens; 0 means all
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the reply
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the reply
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token appears in the reply
+    seed: int | None = None  # same seed, same prompt, same params: same tokens, whatever the batch
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+SAMPLING = tuple(f.name for f in fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: ids within the vocabulary, a reply budget that fits the context."""
+
+    input_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()  # matched on the decoded text of the reply
+    ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
+    top_logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.input_ids) + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a deployment allows one request: its model's vocabulary and what ``llm``'s config says."""
+
+    vocab_size: int
+    room: int  # prompt + reply tokens one request may hold: the model context or the KV budget
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_stop_count: int
+    max_stop_bytes: int
+    fingerprint: str | None = None  # the model's vocabulary; None accepts ids from any tokenizer
+
+
+def _scalar(name: str, value: Any, limits: Limits) -> Any:
+    """A field's value as its Python type, checked against its range, or its default."""
+    field = FIELDS[name]
+    if value is not None and field.dims == (1,):
+        value = PYTHON_TYPES[field.data_type](value)
+    return field.check(value, {"vocab_size": limits.vocab_size, "max_tokens_limit": limits.max_tokens_limit})
+
+
+def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None, *,
+             stop: list[bytes] | None = None, tokenizer_fingerprint: str | None = None, **values: Any) -> GenerationRequest:
+    """A ``GenerationRequest``, or ``InvalidInput`` naming the field, the value and the range. ``values``
+    are the other request fields ``llm`` reads, by name (absent or None: the field's default)."""
+    unknown = set(values) - FIELDS.keys() - {"stream"}
+    if unknown:
+        raise TypeError(f"validate() got unknown request fields {sorted(unknown)}")
+    if tokenizer_fingerprint is not None and limits.fingerprint is not None and tokenizer_fingerprint != limits.fingerprint:
+        raise InvalidInput(
+            f"tokenizer_fingerprint {tokenizer_fingerprint!r} does not match the llm model's vocabulary "
+            f"({limits.fingerprint!r}): preprocess's tokenizer must share the model's vocabulary"
+        )
+    max_tokens = limits.default_max_tokens if max_tokens is None else _scalar("max_tokens", max_tokens, limits)
+    sampling = SamplingParams(**{name: _scalar(name, values.get(name), limits) for name in SAMPLING})
+    top_logprobs = _scalar("top_logprobs", values.get("top_logprobs"), limits)
+    logprobs = _scalar("logprobs", values.get("logprobs"), limits)
+    if top_logprobs and not logprobs:
+        raise InvalidInput(f"top_logprobs={top_logprobs} needs logprobs=true")
+    prompt_logprobs = _scalar("prompt_logprobs", values.get("prompt_logprobs"), limits)
+    if not input_ids:
+        raise InvalidInput("input_ids must not be empty")
+    bad = next((i for i in input_ids if not 0 <= i < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidInput(
+            f"input_ids holds token id {bad}, outside the model vocabulary [0, {limits.vocab_size}): "
+            "the tokenizer in preprocess does not match the llm model"
+        )
+    if len(input_ids) + max_tokens > limits.room:
+        raise InvalidInput(
+            f"prompt is {len(input_ids)} tokens; with max_tokens={max_tokens} it exceeds the {limits.room} tokens "
+            "one request may hold (the model context or kv_cache_tokens): shorten the prompt or lower max_tokens"
+        )
+    return GenerationRequest(list(input_ids), max_tokens, sampling, _stop(stop or [], limits),
+                             _scalar("ignore_eos", values.get("ignore_eos"), limits),
+                             top_logprobs if logprobs else None, prompt_logprobs)
+
+
+def _stop(stop: list[bytes], limits: Limits) -> tuple[str, ...]:
+    if len(stop) > limits.max_stop_count:
+        raise InvalidInput(f"stop holds {len(stop)} strings; the limit is {limits.max_stop_count} (max_stop_count)")
+    texts = []
+    for i, raw in enumerate(stop):
+        if len(raw) > limits.max_stop_bytes:
+            raise InvalidInput(f"stop[{i}] is {len(raw)} bytes; the limit is {limits.max_stop_bytes} (max_stop_bytes)")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"stop[{i}] is not valid UTF-8") from None
+        if not text:
+            raise InvalidInput(f"stop[{i}] must not be empty")
+        texts.append(text)
+    return tuple(texts)
