@@ -114,6 +114,8 @@ REQUEST = (
           help="sample from the smallest set of tokens whose probability reaches top_p"),
     Field("top_k", "TYPE_INT32", to=LLM, default=0, low=0, high="vocab_size", openai=True,
           help="sample from the k most likely tokens; 0 means all"),
+    Field("min_p", "TYPE_FP32", to=LLM, default=0.0, low=0.0, high=1.0, openai=True, help="sample only from the "
+          "tokens at least min_p times as likely as the most likely one (after temperature), as vLLM; 0 is off"),
     Field("repetition_penalty", "TYPE_FP32", to=LLM, default=1.0, low=0.0, high=2.0, low_open=True, openai=True,
           help="above 1 discourages tokens already in the prompt or the reply, as in transformers; 1 is off"),
     Field("presence_penalty", "TYPE_FP32", to=LLM, default=0.0, low=-2.0, high=2.0, openai=True,

@@ -24,6 +24,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 picks the most likely token
     top_p: float = 1.0  # sample from the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # sample from the k most likely tokens; 0 means all
+    min_p: float = 0.0  # sample from the tokens at least min_p times as likely as the most likely one
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the reply
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the reply
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token appears in the reply

@@ -1,4 +1,4 @@
-"""Token choice: greedy by default, or seeded sampling with temperature, top-k and top-p, after each
+"""Token choice: greedy by default, or seeded sampling with temperature, top-k, min-p and top-p, after each
 request's repetition, presence and frequency penalties; every setting per request, every pass batched."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[
         index = torch.tensor(rows, device=logits.device)
         scaled = logits[index] / _column([params[i].temperature for i in rows], logits)
         tokens[index] = _draw(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows],
-                              [samplers[i].generator for i in rows])
+                              [params[i].min_p for i in rows], [samplers[i].generator for i in rows])
     return tokens.tolist()
 
 
@@ -59,21 +59,27 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     return (probs / noise.clamp_min_(1e-20)).argmax(-1)
 
 
-def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], generators: list[torch.Generator]) -> torch.Tensor:
-    """A token per row of temperature-scaled logits, from the tokens its top-k (0: all) and then its top-p
-    (the smallest set whose probability reaches it, the crossing token kept) allow."""
+def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+          generators: list[torch.Generator]) -> torch.Tensor:
+    """A token per row of temperature-scaled logits, from the tokens its top-k (0: all) and its min-p (those
+    at least min_p times as likely as the most likely) keep, and then its top-p (the smallest set whose
+    probability reaches it, the crossing token kept) allows."""
     vocabulary, device = scaled.shape[1], scaled.device
     width = min(CANDIDATES, vocabulary)
     values, order = scaled.topk(width, -1)  # most likely first
     k = torch.tensor([k if 0 < k < vocabulary else vocabulary for k in top_k], device=device)[:, None]
     p = _column(top_p, scaled)
-    within = k <= width  # the top-k lies among the candidates: its distribution is theirs, renormalized
-    drop = torch.arange(width, device=device)[None] >= k
+    floor = values[:, :1] + _column(min_p, scaled).log()  # min_p 0: -inf, no floor
+    # The tokens kept lie among the candidates (the top-k does, or the min-p floor falls among them): their
+    # distribution is the candidates', renormalized.
+    within = (k <= width) | (values[:, -1:] < floor)
+    drop = (torch.arange(width, device=device)[None] >= k) | (values < floor)
     probs = torch.where(within, values.masked_fill(drop, float("-inf")).softmax(-1),
                         (values - scaled.logsumexp(-1, keepdim=True)).exp())
     reach = probs.cumsum(-1)
     drop |= (p < 1.0) & (reach - probs >= p)
-    exact = (within | ((p < 1.0) & (reach[:, -1:] >= p)))[:, 0].tolist()
+    no_floor = _column(min_p, scaled) == 0.0
+    exact = (within | ((p < 1.0) & (reach[:, -1:] >= p) & no_floor))[:, 0].tolist()
     tokens = torch.empty(len(top_k), dtype=torch.long, device=device)
     near = [i for i, e in enumerate(exact) if e]
     if near:
@@ -81,8 +87,8 @@ def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], generators
         tokens[near] = order[near].gather(1, picked[:, None])[:, 0]
     far = [i for i, e in enumerate(exact) if not e]
     if far:
-        full = _top_k_top_p(scaled[far], [top_k[i] for i in far], [top_p[i] for i in far]).softmax(-1)
-        tokens[far] = _race(full, [generators[i] for i in far])
+        full = _filter(scaled[far], [top_k[i] for i in far], [top_p[i] for i in far], [min_p[i] for i in far])
+        tokens[far] = _race(full.softmax(-1), [generators[i] for i in far])
     return tokens
 
 
@@ -120,9 +126,10 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: lis
                           + _column([params[i].presence_penalty for i in counted], logits) * (counts > 0).to(logits.dtype))
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """``logits`` with every token outside each row's top-k (0: all), then outside the smallest set whose
-    probability reaches its top-p (the token that crosses it kept), set to -inf."""
+def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """``logits`` with every token outside each row's top-k (0: all) and below its min-p floor, then outside
+    the smallest set whose probability reaches its top-p (the token that crosses it kept), set to -inf."""
+    logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + _column(min_p, logits).log(), float("-inf"))
     if not any(0 < k < logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits
     ordered, order = logits.sort(-1, descending=True)

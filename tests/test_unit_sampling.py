@@ -97,3 +97,24 @@ def test_draws_among_the_candidates_or_the_whole_vocabulary_keep_to_the_definiti
     alone = [sample(samplers(params), row.clone(), [([1], [])])[0] for row in (peaked, flat)]
     together = sample(samplers(params, params), torch.cat([peaked, flat]), [([1], [])] * 2)
     assert together == alone
+
+
+@pytest.mark.parametrize("candidates", [1024, 8])
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
+def test_min_p_draws_only_tokens_at_least_min_p_times_as_likely_as_the_best(monkeypatch, candidates, min_p):
+    """Among the candidates or (8 of 64, a flat row) past them, as vLLM defines it: after temperature, a token
+    is kept when its probability is at least min_p times the most likely one's."""
+    monkeypatch.setattr("llm.sampling.CANDIDATES", candidates)
+    for row in (logits(1, seed=4) * 3, logits(1, seed=5) * 0.05):
+        probs = (row[0] / 0.8).softmax(-1)
+        allowed = set(torch.nonzero(probs >= min_p * probs.max()).flatten().tolist())
+        drawn = {sample(samplers(SamplingParams(temperature=0.8, min_p=min_p, seed=s)), row.clone(), [([1], [])])[0]
+                 for s in range(150)}
+        assert drawn <= allowed
+        assert len(drawn) > 1 or len(allowed) == 1  # it still samples among the tokens it keeps
+
+
+def test_min_p_of_one_is_the_most_likely_token():
+    x = logits(3, seed=6)
+    params = [SamplingParams(temperature=1.5, min_p=1.0, seed=s) for s in range(3)]
+    assert sample(samplers(*params), x.clone(), [([1], [])] * 3) == x.argmax(-1).tolist()
