@@ -45,6 +45,7 @@ class Field:
     low: float | None = None  # the accepted range, [low, high] ((low, high] with low_open) ...
     high: float | str | None = None  # ... high a number, or the name of the deployment's limit
     low_open: bool = False
+    count: int | None = None  # a list's (or a JSON object's) most entries; their values are in the range
     openai: bool = False  # the OpenAI API takes it under this name and passes it on as is
     json: Any = None  # a TYPE_STRING holding JSON of this Python type instead of text
     ragged: bool = False  # allow_ragged_batch, in the models that batch requests
@@ -71,13 +72,24 @@ class Field:
         field and the range. ``limits`` gives the deployment's values a ``high`` names."""
         if value is None:
             return self.default
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidInput(f"{self.name} must be a finite number, got {value}")
-        high = limits[self.high] if isinstance(self.high, str) else self.high
-        if self.low is None or high is None:
+        if isinstance(value, (list, dict)):
+            if self.count is not None and len(value) > self.count:
+                raise InvalidInput(f"{self.name} holds {len(value)} entries; the limit is {self.count}")
+            for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+                self._in_range(f"{self.name}[{key!r}]" if isinstance(value, dict) else f"{self.name}[{key}]", item, limits)
             return value
+        return self._in_range(self.name, value, limits)
+
+    def _in_range(self, name: str, value: Any, limits: Mapping[str, float]) -> Any:
+        if self.low is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidInput(f"{name} must be a number, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidInput(f"{name} must be a finite number, got {value}")
+        high = limits[self.high] if isinstance(self.high, str) else self.high
         if (value <= self.low if self.low_open else value < self.low) or value > high:
-            raise InvalidInput(f"{self.name} must be in {'(' if self.low_open else '['}{self.low}, {high}], got {value}")
+            raise InvalidInput(f"{name} must be in {'(' if self.low_open else '['}{self.low}, {high}], got {value}")
         return value
 
     def range_text(self) -> str:
@@ -92,6 +104,8 @@ PRE, LLM = ("preprocess",), ("llm",)
 BUDGET = PRE + LLM  # preprocess does not use max_tokens, but its presence lets a request without text_input reach it
 SEED_LIMIT = 2**63 - 1
 TOP_LOGPROBS_LIMIT = 5  # as OpenAI's legacy completions API allows (its chat API documents 20)
+STOP_TOKEN_IDS_LIMIT = 64
+LOGIT_BIAS_LIMIT = 300  # tokens one request may bias
 
 # A request to ``ensemble`` (streaming) or ``ensemble_infer`` (one response). All optional; a request
 # needs text_input or messages. preprocess checks the text fields' limits, llm the rest (``Field.check``).
@@ -126,6 +140,15 @@ REQUEST = (
           help="makes sampling repeatable, whatever the batch"),
     Field("stop", "TYPE_STRING", (-1,), to=LLM, ragged=True, help="strings that end the reply (matched on text, left "
           "out of it): at most max_stop_count (8) of at most max_stop_bytes (128) bytes each"),
+    Field("stop_token_ids", "TYPE_INT32", (-1,), to=LLM, ragged=True, low=0, high="max_token_id",
+          count=STOP_TOKEN_IDS_LIMIT, openai=True, help="token ids that end the reply with finish_reason stop, as "
+          "the end-of-turn token does (left out of the reply)"),
+    Field("min_tokens", "TYPE_INT32", to=LLM, default=0, low=0, high="max_tokens_limit", openai=True,
+          help="the least tokens the reply has before the end-of-turn token, stop_token_ids or a stop string may "
+          "end it (as vLLM: a stop string counts only when it ends after them); at most max_tokens"),
+    Field("logit_bias", "TYPE_STRING", to=LLM, json=dict[str, float], low=-100.0, high=100.0, count=LOGIT_BIAS_LIMIT,
+          openai=True, help='JSON object {"token id": bias}, added to those tokens\' logits before the choice '
+          "(greedy too), as OpenAI's: -100 bans a token, 100 forces it"),
     Field("ignore_eos", "TYPE_BOOL", to=LLM, default=False, openai=True,
           help="true generates exactly max_tokens tokens, past the end-of-turn token (benchmarks and load tests)"),
     Field("stream", "TYPE_BOOL", to=LLM, default=False,
@@ -171,6 +194,8 @@ LLM_OUTPUTS = (
     Field("tokenizer_fingerprint", "TYPE_STRING", optional=False, help="the model's vocabulary, for postprocess"),
     Field("stop", "TYPE_STRING", (-1,), ragged=True, help="the validated stop strings: postprocess cuts the text "
           "where llm stopped, and holds back a tail that may become one"),
+    Field("stop_after", "TYPE_INT32", help="with min_tokens: stop strings count only when they end after this "
+          "character of output_ids' text (0: anywhere)"),
     Field("generation_id", "TYPE_STRING", help="<pid>-<n>, unique on the host: what postprocess names when a "
           "client cancels (triton_glue/cancel.py)"),
     Field("output_logprobs", "TYPE_FP32", (-1, -1), help="a row per output id when logprobs is true (no columns "

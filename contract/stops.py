@@ -6,13 +6,14 @@ Both sides decode the same ids with the same vocabulary and call these functions
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from typing import Callable, Sequence
 
 
-def find_stop(text: str, stop: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None."""
-    starts = [i for i in (text.find(s) for s in stop) if i >= 0]
+def find_stop(text: str, stop: Sequence[str], after: int = 0) -> int | None:
+    """Index where the earliest stop string that ends after character ``after`` starts in ``text``, or
+    None. ``after`` is where min_tokens lets stop strings count from (as vLLM: one ending earlier does not)."""
+    starts = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stop) if i >= 0]
     return min(starts, default=None)
 
 
@@ -31,14 +32,15 @@ def partial_stop_length(text: str, stop: Sequence[str]) -> int:
     return longest
 
 
-def visible_text(text: str, stop: Sequence[str], final: bool) -> str:
+def visible_text(text: str, stop: Sequence[str], final: bool, after: int = 0) -> str:
     """The part of a reply's decoded text that a client may see now.
 
     Cut at a stop string. Before the end, also hold back an incomplete multi-byte character (byte-level
     BPE decodes it to U+FFFD until its last byte arrives) and any tail that may grow into a stop string.
-    At the end a U+FFFD tail is a character ``max_tokens`` cut in half, and is dropped.
+    At the end a U+FFFD tail is a character ``max_tokens`` cut in half, and is dropped. Stop strings count
+    from ``after`` (``find_stop``).
     """
-    cut = find_stop(text, stop)
+    cut = find_stop(text, stop, after)
     if cut is not None:
         return text[:cut]
     text = text.rstrip("\ufffd")
@@ -54,9 +56,10 @@ class TextTracker:
     (``window``) and postprocess's work per response is bounded too.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decode = decode
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
         self.longest = max((len(s) for s in stop), default=0)
         self.tail = ""  # the last characters a stop string could start in
         self._prefix = self._read = 0
@@ -77,7 +80,18 @@ class TextTracker:
             return False
         text = self.tail + new
         self.tail = text[len(text) - self.longest + 1:] if self.longest > 1 else ""
-        return find_stop(text, self.stop) is not None
+        if len(ids) <= self.min_tokens:
+            return False
+        return find_stop(text, self.stop, max(0, self.stops_from() - (self.chars[-1] - len(text)))) is not None
+
+    def stops_from(self) -> int:
+        """The character after which stop strings count: the text of the first ``min_tokens`` ids (at its
+        last whole checkpoint); 0 without min_tokens."""
+        return self.chars[bisect_right(self.ids, self.min_tokens) - 1] if self.min_tokens else 0
+
+    def stop_after(self, first: int) -> int:
+        """``stops_from`` in the text decoded from id ``first`` (a checkpoint ``window`` gave), for postprocess."""
+        return max(0, self.stops_from() - self.chars[bisect_left(self.ids, first)])
 
     def window(self, sent: int) -> int:
         """The first id a response must carry when ``sent`` ids went out before.

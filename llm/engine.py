@@ -84,8 +84,9 @@ class Engine:
         return failed
 
     def _admitted(self, seq: Sequence) -> None:
-        seq.sampler = Sampler(seq.request.sampling, self.device)
-        seq.text = TextTracker(self.decode, seq.request.stop)
+        request = seq.request
+        seq.sampler = Sampler(request.sampling, self.device, frozenset() if request.ignore_eos else frozenset(self.eos_ids))
+        seq.text = TextTracker(self.decode, request.stop, request.sampling.min_tokens)
         if seq.request.prompt_logprobs is not None:
             seq.prompt_token_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
         self.metrics.admitted(len(seq.request.input_ids))
@@ -155,7 +156,7 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         request = seq.request
-        if token in self.eos_ids and not request.ignore_eos:
+        if token in seq.sampler.ends:  # the end-of-turn token (unless ignore_eos) or a stop token: not in the reply
             seq.finish_reason = FinishReason.STOP
             return
         seq.output_ids.append(token)

@@ -1,4 +1,4 @@
-"""A request as the engine takes it, and the one place it is validated: no model, no torch.
+"""A request as the engine takes it, and the one place it is validated: with a deployment's limits, no model.
 
 Every range comes from the request's ``Field`` in ``contract/schema.py`` (``Field.check``); what a
 deployment decides (its vocabulary, the room one request may hold, the reply budget, the stop-string
@@ -8,10 +8,11 @@ so a new sampling parameter is a ``Field``, a ``SamplingParams`` attribute and t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, get_origin
 
-from contract.errors import InvalidInput
+from contract.errors import InvalidInput, decode_utf8
 from contract.schema import PYTHON_TYPES, request_fields
 
 FIELDS = {f.name: f for f in request_fields("llm")}
@@ -29,6 +30,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the reply
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token appears in the reply
     seed: int | None = None  # same seed, same prompt, same params: same tokens, whatever the batch
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before the choice
+    min_tokens: int = 0  # no end-of-turn token, stop token or stop string before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the reply as the end-of-turn token does
 
     @property
     def greedy(self) -> bool:
@@ -69,11 +73,46 @@ class Limits:
 
 
 def _scalar(name: str, value: Any, limits: Limits) -> Any:
-    """A field's value as its Python type, checked against its range, or its default."""
+    """A field's value as its Python type (a list or a JSON object's pairs as a tuple), checked against
+    its range, or its default."""
     field = FIELDS[name]
-    if value is not None and field.dims == (1,):
-        value = PYTHON_TYPES[field.data_type](value)
-    return field.check(value, {"vocab_size": limits.vocab_size, "max_tokens_limit": limits.max_tokens_limit})
+    if value is not None:
+        if field.json is not None:
+            value = _json(name, value)
+            if not isinstance(value, get_origin(field.json) or field.json):
+                raise InvalidInput(f"{name} must be a JSON {'object' if get_origin(field.json) is dict else 'list'}, got {value!r}"[:200])
+        elif field.dims == (-1,):
+            value = [PYTHON_TYPES[field.data_type](v) for v in value]
+        else:
+            value = PYTHON_TYPES[field.data_type](value)
+    value = field.check(value, {"vocab_size": limits.vocab_size, "max_token_id": limits.vocab_size - 1,
+                                "max_tokens_limit": limits.max_tokens_limit})
+    if isinstance(value, dict):
+        return tuple(sorted((_token_id(name, key, limits), float(bias)) for key, bias in value.items()))
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _json(name: str, raw: Any) -> Any:
+    """A JSON field's value: the text a Triton client sent, or what a Python caller passed."""
+    if isinstance(raw, bytes):
+        raw = decode_utf8(name, raw)
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"{name} is not valid JSON: {e}") from None
+
+
+def _token_id(name: str, key: Any, limits: Limits) -> int:
+    """A JSON object's key that names a token: an integer in the vocabulary (JSON keys are strings)."""
+    try:
+        token = int(key)
+    except ValueError:
+        raise InvalidInput(f"{name} key {key!r} is not a token id") from None
+    if not 0 <= token < limits.vocab_size:
+        raise InvalidInput(f"{name} key {key!r} is outside the model vocabulary [0, {limits.vocab_size})")
+    return token
 
 
 def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None, *,
@@ -89,7 +128,10 @@ def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None
             f"({limits.fingerprint!r}): preprocess's tokenizer must share the model's vocabulary"
         )
     max_tokens = limits.default_max_tokens if max_tokens is None else _scalar("max_tokens", max_tokens, limits)
-    sampling = SamplingParams(**{name: _scalar(name, values.get(name), limits) for name in SAMPLING})
+    sampling = SamplingParams(**{name: value for name in SAMPLING
+                                 if (value := _scalar(name, values.get(name), limits)) is not None})
+    if sampling.min_tokens > max_tokens:
+        raise InvalidInput(f"min_tokens={sampling.min_tokens} must not exceed max_tokens={max_tokens}")
     top_logprobs = _scalar("top_logprobs", values.get("top_logprobs"), limits)
     logprobs = _scalar("logprobs", values.get("logprobs"), limits)
     if top_logprobs and not logprobs:

@@ -1,5 +1,6 @@
 """Token choice: greedy by default, or seeded sampling with temperature, top-k, min-p and top-p, after each
-request's repetition, presence and frequency penalties; every setting per request, every pass batched."""
+request's repetition, presence and frequency penalties, its logit bias and (until min_tokens) its ending
+tokens banned; every setting per request, every pass batched."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ class Sampler:
     """A request's sampling settings and its own random generator: a row's draws never depend on its
     batch-mates. The drawing itself is batched (``sample``)."""
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device, ends: frozenset[int] = frozenset()) -> None:
+        """``ends``: the tokens that would end the reply (its end-of-turn and stop tokens), held back until
+        it has ``min_tokens``."""
         self.params = params
+        self.ends = ends | frozenset(params.stop_token_ids)
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator(device)
@@ -24,9 +28,10 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """Greedy with no penalty: the batch's one argmax serves this row."""
+        """Greedy with nothing that changes the logits: the batch's one argmax serves this row."""
         p = self.params
-        return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+        return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and not p.logit_bias and not p.min_tokens)
 
 
 # A sampled row draws among its most likely tokens first: exact whenever they hold its top-k, or the
@@ -43,6 +48,7 @@ def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[
     same distribution as multinomial), so a seed gives its row the same tokens whatever its batch-mates."""
     params = [s.params for s in samplers]
     _penalize(logits, params, histories)
+    _bias(logits, samplers, histories)
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -124,6 +130,22 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: lis
         index = torch.tensor(counted, device=logits.device)
         logits[index] -= (_column([params[i].frequency_penalty for i in counted], logits) * counts
                           + _column([params[i].presence_penalty for i in counted], logits) * (counts > 0).to(logits.dtype))
+
+
+def _bias(logits: torch.Tensor, samplers: list[Sampler], histories: list[tuple[list[int], list[int]]]) -> None:
+    """Each row's logit_bias added to its tokens' logits, and its ending tokens banned while its reply is
+    shorter than min_tokens: one scatter over every row's entries."""
+    rows, ids, values = [], [], []
+    for row, (sampler, (_, reply)) in enumerate(zip(samplers, histories)):
+        p = sampler.params
+        for token, bias in p.logit_bias:
+            rows.append(row), ids.append(token), values.append(bias)
+        if len(reply) < p.min_tokens:
+            for token in sampler.ends:
+                rows.append(row), ids.append(token), values.append(float("-inf"))
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

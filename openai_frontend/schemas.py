@@ -31,7 +31,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "functions": (_absent, "function calling is not supported by this server"),
     "function_call": (lambda v: v is None or v == "none", "function calling is not supported by this server"),
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),  # moot without tools
-    "logit_bias": (_absent, "logit_bias is not supported by this server"),
     "audio": (_absent, "audio output is not supported by this server"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported by this server"),
     "prediction": (_absent, "predicted outputs are not supported by this server"),

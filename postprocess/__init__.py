@@ -28,6 +28,7 @@ class LLMResponse:
     sent_tokens: int
     finished: bool
     stop: tuple[str, ...] = ()
+    stop_after: int = 0  # stop strings count only when they end after this character of the ids' text (min_tokens)
     logprobs: list[list[float]] | None = None
     top_ids: list[list[int]] | None = None
 
@@ -72,8 +73,9 @@ class Detokenizer:
         sent = response.sent_tokens
         if not 0 <= sent <= len(ids):
             raise InvalidInput(f"sent_tokens must be in [0, {len(ids)}], got {sent}")
-        now = visible_text(self._decode(ids), response.stop, response.finished)
-        before = visible_text(self._decode(ids[:sent]), response.stop, final=False) if sent else ""
+        after = response.stop_after
+        now = visible_text(self._decode(ids), response.stop, response.finished, after)
+        before = visible_text(self._decode(ids[:sent]), response.stop, False, after) if sent else ""
         text = now[len(before):]
         if response.logprobs is None:
             return Delta(text)

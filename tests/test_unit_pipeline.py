@@ -126,11 +126,11 @@ def whole(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = ()) 
 
 
 def deltas(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (), every: int = 1,
-           starts: list[int] | None = None, logprobs: bool = False) -> list[Delta]:
+           starts: list[int] | None = None, logprobs: bool = False, min_tokens: int = 0) -> list[Delta]:
     """A stream's responses as llm sends them: one every ``every`` tokens and at the end (the last id, or
     the one that completes a stop string), each carrying only the tail of the ids that
     ``TextTracker.window`` says postprocess needs. With ``logprobs``, each id's logprob is its position."""
-    tracker = TextTracker(lambda some: decode_text(detokenizer.tokenizer, some), stop)
+    tracker = TextTracker(lambda some: decode_text(detokenizer.tokenizer, some), stop, min_tokens)
     rows = [[-float(i), -1.0] for i in range(len(ids))]
     found, sent = [], 0
     for n in range(1, len(ids) + 1):
@@ -141,7 +141,7 @@ def deltas(detokenizer: Detokenizer, ids: list[int], stop: tuple[str, ...] = (),
         if starts is not None:
             starts.append(start)
         found.append(detokenizer.delta(LLMResponse(
-            ids[start:n], sent - start, finished=finished, stop=stop,
+            ids[start:n], sent - start, finished=finished, stop=stop, stop_after=tracker.stop_after(start),
             logprobs=rows[start:n] if logprobs else None, top_ids=[[0]] * (n - start) if logprobs else None,
         )))
         sent = n
@@ -230,6 +230,23 @@ def test_the_text_tracker_finds_a_stop_string_at_the_token_that_completes_it(tok
     found = next(n for n in range(1, len(ids) + 1) if tracker.add(ids[:n]))
     assert find_stop(decode_text(tokenizer, ids[:found]), stop) is not None
     assert find_stop(decode_text(tokenizer, ids[: found - 1]), stop) is None
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("min_tokens", [0, 1, 40, 150])
+def test_with_min_tokens_a_stop_string_counts_only_when_it_ends_after_them(detokenizer, tokenizer, every, min_tokens):
+    """As vLLM: llm stops at, and postprocess cuts before, the first stop string that ends after the text
+    of the first min_tokens ids; earlier ones stay in the reply. Streamed in windows or whole, the same."""
+    ids, stop = tokenizer.encode(LONG), ("line",)
+    text = decode_text(tokenizer, ids)
+    cut = find_stop(text, stop, after=len(decode_text(tokenizer, ids[:min_tokens])))
+    assert text.count("line") > 5 and (cut == text.index("line")) == (min_tokens < 5)
+    found = deltas(detokenizer, ids, stop, every, min_tokens=min_tokens)
+    assert "".join(d.text for d in found) == text[:cut]
+    tracker = TextTracker(lambda some: decode_text(tokenizer, some), stop, min_tokens)
+    stopped = next(n for n in range(1, len(ids) + 1) if tracker.add(ids[:n]))
+    assert find_stop(decode_text(tokenizer, ids[:stopped]), stop, after=len(decode_text(tokenizer, ids[:min_tokens]))) == cut
+    assert stopped > min_tokens
 
 
 def test_special_tokens_are_left_out(detokenizer, tokenizer):

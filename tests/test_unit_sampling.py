@@ -118,3 +118,23 @@ def test_min_p_of_one_is_the_most_likely_token():
     x = logits(3, seed=6)
     params = [SamplingParams(temperature=1.5, min_p=1.0, seed=s) for s in range(3)]
     assert sample(samplers(*params), x.clone(), [([1], [])] * 3) == x.argmax(-1).tolist()
+
+
+def test_logit_bias_forces_or_bans_a_token_for_greedy_and_sampled_rows():
+    x = logits(2, seed=7)
+    best, other = x[0].argmax().item(), x[0].argmin().item()
+    force, ban = SamplingParams(logit_bias=((other, 100.0),)), SamplingParams(logit_bias=((best, -100.0),))
+    assert sample(samplers(force, SamplingParams(temperature=1.0, logit_bias=((other, 100.0),), seed=1)),
+                  torch.stack([x[0], x[0]]), [([1], [])] * 2) == [other, other]
+    assert sample(samplers(ban), x[:1].clone(), [([1], [])]) == [x[0].topk(2).indices[1].item()]
+
+
+def test_min_tokens_bans_the_ending_tokens_until_the_reply_has_them():
+    x = logits(1, seed=8)
+    end = x[0].argmax().item()
+    held = Sampler(SamplingParams(min_tokens=2), CPU, frozenset({end}))
+    assert not held.plain
+    assert sample([held], x.clone(), [([1], [5])]) == [x[0].topk(2).indices[1].item()]  # 1 token of 2: held back
+    assert sample([held], x.clone(), [([1], [5, 6])]) == [end]  # reached
+    stop_token = Sampler(SamplingParams(min_tokens=1, stop_token_ids=(end,)), CPU)
+    assert stop_token.ends == {end} and sample([stop_token], x.clone(), [([1], [])]) != [end]

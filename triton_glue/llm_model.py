@@ -21,8 +21,8 @@ from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar, single
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# The request fields LLM.validate takes as keyword arguments, one value each (contract/schema.py).
-SCALARS = tuple(f.name for f in request_fields("llm") if f.dims == (1,) and f.name not in ("max_tokens", "stream"))
+# The request fields LLM.validate takes (contract/schema.py): a value each, or a list for a [-1] tensor.
+FIELDS = tuple(f for f in request_fields("llm") if f.name != "stream")
 
 
 class Handle(NamedTuple):
@@ -35,6 +35,10 @@ class Handle(NamedTuple):
 # What leads the message of each failed ending (contract/errors.py: the message carries its kind).
 FAILURE_PREFIX = {FinishReason.ERROR: INTERNAL_ERROR, FinishReason.OVERLOADED: OVERLOADED,
                   FinishReason.UNAVAILABLE: UNAVAILABLE}
+
+
+def _listed(row: np.ndarray | None) -> list | None:
+    return None if row is None else row.tolist()
 
 
 def _failure(seq: Sequence) -> str:
@@ -130,11 +134,10 @@ class TritonPythonModel:
         ids = single(request, "input_ids")
         if ids is None:
             raise InvalidInput("input_ids is required")
-        stop = single(request, "stop")
         fingerprint = scalar(request, "tokenizer_fingerprint")
+        values = {f.name: scalar(request, f.name) if f.dims == (1,) else _listed(single(request, f.name)) for f in FIELDS}
         return self.llm.validate(
-            ids.tolist(), scalar(request, "max_tokens"), **{name: scalar(request, name) for name in SCALARS},
-            stop=None if stop is None else list(stop),
+            ids.tolist(), **values,
             tokenizer_fingerprint=None if fingerprint is None else decode_utf8("tokenizer_fingerprint", fingerprint),
         )
 
@@ -181,6 +184,7 @@ class TritonPythonModel:
             finish_reason=np.array([[seq.finish_reason.value.encode() if finished else b""]], dtype=np.object_),
             tokenizer_fingerprint=self.fingerprint,
             stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
+            stop_after=np.array([[seq.text.stop_after(start)]], dtype=np.int32),
             generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
             error=np.array([[_failure(seq).encode() if failed else b""]], dtype=np.object_),
             **_logprobs(seq, start, count),

@@ -75,6 +75,7 @@ class TritonPythonModel:
         delta = self.detokenizer.delta(LLMResponse(
             ids.tolist(), scalar(request, "sent_tokens") or 0, finished=bool(finish_reason),
             stop=() if stop is None else tuple(decode_utf8("stop", s) for s in stop),
+            stop_after=int(scalar(request, "stop_after") or 0),
             logprobs=logprobs.tolist() if asked else None, top_ids=top_ids.tolist() if asked else None,
         ))
         token_logprobs = b"" if delta.logprobs is None else json.dumps(delta.logprobs).encode()
