@@ -18,6 +18,8 @@ transformers still loads the weights and config, and computes the rotary tables 
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -49,20 +51,42 @@ class MixedStep:
     chunks: list[PrefillChunk] = field(default_factory=list)
 
 
-MIXED = MixedStep()
+class Context:
+    """What one ``Decoder``'s own operators read outside its compiled graph: its oneDNN-packed weights,
+    and the layout of the mixed step about to run, which the runner sets before each one (nano-vllm's
+    ``Context``, owned by its decoder instead of a module global). An operator takes no Python object, so
+    the graph names a context by a small integer, ``key``; the table that finds it holds it weakly, and
+    the context and its weights go with their decoder."""
+
+    _by_key: "weakref.WeakValueDictionary[int, Context]" = weakref.WeakValueDictionary()
+
+    def __init__(self) -> None:
+        self.key = next(k for k in itertools.count() if k not in Context._by_key)
+        Context._by_key[self.key] = self
+        self.packed: list[torch.Tensor] = []  # named by index in the compiled graph
+        self.step = MixedStep()
+
+    @staticmethod
+    def of(key: int) -> "Context":
+        return Context._by_key[key]
+
+    def pack(self, weight: torch.Tensor) -> int:
+        """``weight`` packed by oneDNN for this CPU; its index."""
+        self.packed.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
+        return len(self.packed) - 1
 
 
 # The two steps the compiled graph calls out to, as operators of our own. Registered with torch.library's
 # plain API: a call costs ~10 us of dispatch against ~25 us for torch.library.custom_op, and a step makes
 # four per layer.
 _LIBRARY = torch.library.Library("triton_chat", "DEF")
-_LIBRARY.define("mixed_attention(Tensor q, Tensor k_cache, Tensor v_cache) -> Tensor")
-_LIBRARY.define("packed_linear(Tensor x, int index, int out_features, Tensor? bias) -> Tensor")
+_LIBRARY.define("mixed_attention(Tensor q, Tensor k_cache, Tensor v_cache, int context) -> Tensor")
+_LIBRARY.define("packed_linear(Tensor x, int context, int index, int out_features, Tensor? bias) -> Tensor")
 
 
-def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Attention of a mixed step as ``MIXED`` describes it: the decode rows over their contexts, then each
-    prompt chunk, causally, over its sequence's cached keys and values.
+def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: int) -> torch.Tensor:
+    """Attention of a mixed step as its decoder's ``Context.step`` describes it: the decode rows over
+    their contexts, then each prompt chunk, causally, over its sequence's cached keys and values.
 
     ``q`` is ``[tokens, heads, head_dim]``; keys and values are already in the cache. In a chunk, the query
     heads that share a KV head are laid out as extra query rows (``[kv_heads, count x group, head_dim]``),
@@ -71,10 +95,11 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.zeros_like(q)  # padding tokens get zeros: finite, whatever they feed
     heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
     group = heads // kv_heads
-    if MIXED.decode_slots is not None:
-        rows = MIXED.decode_slots.shape[0]
-        out[:rows] = decode_attention(q[:rows], k_cache, v_cache, MIXED.decode_slots, MIXED.decode_lengths, dim**-0.5)
-    for c in MIXED.chunks:
+    step = Context.of(context).step
+    if step.decode_slots is not None:
+        rows = step.decode_slots.shape[0]
+        out[:rows] = decode_attention(q[:rows], k_cache, v_cache, step.decode_slots, step.decode_lengths, dim**-0.5)
+    for c in step.chunks:
         rows = slice(c.first, c.first + c.count)
         keys = k_cache.index_select(1, c.slots).unsqueeze(0)  # [1, kv_heads, context, dim]
         values = v_cache.index_select(1, c.slots).unsqueeze(0)
@@ -86,34 +111,31 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-_PACKED: list[torch.Tensor] = []  # oneDNN-packed CPU weights, named by index in the compiled graph
-
-
-def packed_linear(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, context: int, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with a weight oneDNN packed once for this CPU (1.2-2x faster than
     ``F.linear`` in bf16 on 2 cores). An opaque op, so the packed weight never enters the compiled
     graph, which stays cacheable (inductor's own ``freezing`` packs too, but then nothing is cached)."""
-    return torch.ops.mkldnn._linear_pointwise(x, _PACKED[index], bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, Context.of(context).packed[index], bias, "none", [], "")
 
 
 _LIBRARY.impl("mixed_attention", mixed_attention, "CompositeExplicitAutograd")
 _LIBRARY.impl("packed_linear", packed_linear, "CPU")
-torch.library.register_fake("triton_chat::mixed_attention", lambda q, k_cache, v_cache: torch.empty_like(q), lib=_LIBRARY)
+torch.library.register_fake("triton_chat::mixed_attention", lambda q, k_cache, v_cache, context: torch.empty_like(q),
+                            lib=_LIBRARY)
 torch.library.register_fake("triton_chat::packed_linear",
-                            lambda x, index, out_features, bias: x.new_empty(x.shape[0], out_features), lib=_LIBRARY)
+                            lambda x, context, index, out_features, bias: x.new_empty(x.shape[0], out_features), lib=_LIBRARY)
 
 
 class Linear(torch.nn.Module):
     """A weight used as ``F.linear``: packed by oneDNN on CPUs, plain on GPUs."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, context: Context, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        self.index = None
+        self.context, self.index = context.key, None
         if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
-            self.index = len(_PACKED) - 1
+            self.index = context.pack(weight)
             self.weight = None
         else:
             self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
@@ -121,7 +143,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.triton_chat.packed_linear(x, self.index, self.out_features, self.bias)
+        return torch.ops.triton_chat.packed_linear(x, self.context, self.index, self.out_features, self.bias)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -161,12 +183,13 @@ class Decoder(torch.nn.Module):
         self.eps = c.rms_norm_eps
         dtype, device = hf.dtype, hf.device
         body = hf.model
+        self.context = Context()
         self.embed = body.embed_tokens.weight
-        self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim) for layer in body.layers)
+        self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context) for layer in body.layers)
         self.norm = body.norm.weight
         # The head runs in float32: bfloat16 logits are rounded to 1/8 near the top of the distribution,
         # enough to flip near ties ("The" 25.33 vs "L" 25.24 for SmolLM2's answer to the README's prompt).
-        self.lm_head = Linear(hf.lm_head.weight.float())
+        self.lm_head = Linear(hf.lm_head.weight.float(), self.context)
         cos, sin = body.rotary_emb(torch.zeros(1, dtype=dtype, device=device), torch.arange(positions, device=device)[None])
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)
@@ -190,14 +213,14 @@ class Decoder(torch.nn.Module):
     def mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, logit_rows: torch.Tensor,
               decode_slots: torch.Tensor | None = None, decode_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """A step of decode rows, then prompt chunks: float32 logits for the tokens ``logit_rows``. The chunks
-        attend in ``mixed_attention`` (``MIXED``), and so do the decode rows unless ``decode_slots`` is
+        attend in ``mixed_attention`` (``Context.step``), and so do the decode rows unless ``decode_slots`` is
         given: then they attend inside the graph, as in ``decode``. CPUs take that (their compiled decode
         attention runs 2x faster than eager at 300 columns); GPUs leave rows and columns out of the graph's
         shape, so that only the token count shapes it."""
         scale = self.head_dim**-0.5
 
         def attention(q, k_cache, v_cache):
-            out = torch.ops.triton_chat.mixed_attention(q, k_cache, v_cache)
+            out = torch.ops.triton_chat.mixed_attention(q, k_cache, v_cache, self.context.key)
             if decode_slots is None:
                 return out
             rows = decode_slots.shape[0]
@@ -239,21 +262,21 @@ class Decoder(torch.nn.Module):
 
 
 class _Layer(torch.nn.Module):
-    def __init__(self, layer: torch.nn.Module, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layer: torch.nn.Module, kv_heads: int, head_dim: int, context: Context) -> None:
         super().__init__()
         a, mlp = layer.self_attn, layer.mlp
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        self.qkv_proj = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+        self.qkv_proj = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), context,
                                torch.cat(bias) if bias[0] is not None else None)
         self.q_norm = a.q_norm.weight if hasattr(a, "q_norm") else None  # qwen3
         self.k_norm = a.k_norm.weight if hasattr(a, "k_norm") else None
         self.eps = getattr(a.q_norm, "variance_epsilon", 1e-6) if self.q_norm is not None else 0.0
-        self.o_proj = Linear(a.o_proj.weight)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        self.down = Linear(mlp.down_proj.weight)
+        self.o_proj = Linear(a.o_proj.weight, context)
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), context)
+        self.down = Linear(mlp.down_proj.weight, context)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         tokens, kv = x.shape[0], self.kv_heads * self.head_dim

@@ -122,7 +122,7 @@ class ModelRunner:
         return shape, args, len(seqs)
 
     def _mixed_inputs(self, step: Step) -> tuple[Shape, tuple[torch.Tensor, ...], int]:
-        """Decode rows first, then each prompt chunk (``model.MIXED``). Without padding (CPUs) the decode
+        """Decode rows first, then each prompt chunk (the decoder's ``Context.step``). Without padding (CPUs) the decode
         rows are graph inputs, at least MIN_SIZE of them; padded (GPUs), ``mixed_attention`` takes them."""
         slots, device, inline = self.table.slots, self.device, not self.shapes.pad
         pad = [0] * (max(len(step.decode), MIN_SIZE) - len(step.decode) if inline else 0)  # row 0, position 0
@@ -144,7 +144,7 @@ class ModelRunner:
             ids += seq.request.input_ids[seq.cached:seq.cached + count]
             if count == seq.prompt_left:
                 logit_rows.append(len(ids) - 1)
-        model.MIXED = mixed
+        self.decoder.context.step = mixed
         sampled = len(logit_rows)
         shape = self.shapes.mixed(len(step.decode), step.tokens - len(step.decode), sampled)
         scratch = [0] * (shape.tokens - len(ids))  # row 0, position 0, slot 0; nothing reads them
@@ -163,7 +163,7 @@ class ModelRunner:
         tokens = (zeros(shape.tokens), zeros(shape.tokens), zeros(shape.tokens))
         if shape.kind == "decode":
             return *tokens, zeros(shape.tokens, shape.columns), zeros(shape.tokens) + 1
-        model.MIXED = model.MixedStep()
+        self.decoder.context.step = model.MixedStep()
         inline = () if self.shapes.pad else (zeros(MIN_SIZE, MIN_SIZE), zeros(MIN_SIZE) + 1)
         return *tokens, zeros(shape.logits), *inline
 

@@ -42,7 +42,7 @@ def test_chunked_prefill_and_decode_give_the_hugging_face_logits(family, inline)
         got = []
         for start, count in ((0, 6), (6, 4)):  # the prompt in two chunks, each after 2 scratch decode rows
             chunk = M.PrefillChunk(2, count, start, slots[: start + count])
-            M.MIXED = M.MixedStep(chunks=[chunk]) if inline else M.MixedStep(*scratch_rows(), [chunk])
+            decoder.context.step = M.MixedStep(chunks=[chunk]) if inline else M.MixedStep(*scratch_rows(), [chunk])
             zeros = torch.zeros(2, dtype=torch.long)
             positions = torch.cat([zeros, torch.arange(start, start + count)])
             logits = decoder.mixed(torch.cat([zeros, ids[start:start + count]]), positions,
@@ -61,3 +61,20 @@ def test_other_architectures_are_refused_by_name():
     hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match=r"parameter 'model_dir': the engine runs Llama-shaped decoders .* 'gpt2'"):
         M.Decoder(hf, slots=32, positions=32)
+
+
+def test_a_decoders_packed_weights_and_step_are_its_own_and_go_with_it():
+    """No module-level state: two decoders keep their own context (packed weights, mixed step), and a
+    decoder's context is freed with it, its key free for the next one."""
+    import gc
+
+    torch.manual_seed(0)
+    first, second = (M.Decoder(FAMILIES["llama"]().eval(), slots=16, positions=16) for _ in range(2))
+    assert first.context.key != second.context.key and M.Context.of(second.context.key) is second.context
+    assert first.context.packed is not second.context.packed
+    key = second.context.key
+    del second
+    gc.collect()
+    with pytest.raises(KeyError):
+        M.Context.of(key)
+    assert M.Decoder(FAMILIES["llama"]().eval(), slots=16, positions=16).context.key == key
