@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from contract.schema import FinishReason
 from contract.stops import TextTracker
@@ -51,15 +51,11 @@ class Sequence:
     """One request inside the engine: where it is in the cache, what it has generated and why it stopped."""
 
     request: GenerationRequest
-    handle: Any = None  # the caller's token for this request (a Triton response sender in the server)
-    stream: bool = False  # the caller wants every token, not only the end
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, when the request asks
     prompt_token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt id after the first, if asked
     finish_reason: FinishReason | None = None
     error: str | None = None
-    sent_tokens: int = 0  # output_ids already handed to the caller (kept by whoever answers) ...
-    answered: bool = False  # ... and whether the final answer went out
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     sampler: Sampler | None = None

@@ -1,13 +1,18 @@
-"""The engine's two threads: one steps the engine, one talks to the transport.
+"""The engine's port (``EngineLoop``) and its two threads: one steps the engine, one talks to the caller.
 
-Triton's ``execute`` only submits requests. As in Triton's vllm_backend (``_response_loop``), talking to
-Triton is not the decode loop's business: sending a response, asking whether a client cancelled and
-updating a metric each cross to the server process, and the next step should not wait for them. The
-engine thread publishes which sequences changed; the responder thread answers each with everything new
-since its last answer, so when sending falls behind, a response carries several tokens instead of the
-queue growing. Each request's answers have one owner (the responder), which sends the final flag exactly
-once. The responder also polls for cancellations, flushes the engine's metrics and, when the server is
-stopping, ends what is left at the drain deadline and says when nothing is.
+A caller (Triton's glue, the benchmark's static baseline has the same port) submits a validated
+``GenerationRequest`` under a key of its own, may cancel it by that key, and receives ``Update``s: new
+ids, their logprobs, and at the end the finish reason or the error. The engine's sequences hold engine
+state only; where answers go stays with the caller, as vLLM's engine core takes typed requests in and
+gives typed outputs out.
+
+As in Triton's vllm_backend (``_response_loop``), talking to Triton is not the decode loop's business:
+sending a response, asking whether a client cancelled and updating a metric each cross to the server
+process, and the next step should not wait for them. The engine thread publishes which sequences
+changed; the responder thread gives each everything new since its last update, so when sending falls
+behind, an update carries several tokens instead of the queue growing, and the final one goes exactly
+once. The responder also lets the caller poll for cancellations, flushes the engine's metrics and, when
+the server is stopping, ends what is left at the drain deadline and says when nothing is.
 
 The engine thread also builds the engine: all of torch's work happens on that one thread. OpenMP gives
 each thread that runs parallel work a team of its own, and libgomp, seeing more threads than cores, stops
@@ -20,12 +25,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Callable
 
 from contract.schema import FinishReason
 from llm.engine import Engine
-from llm.sequence import Overloaded, Sequence
+from llm.request import GenerationRequest
+from llm.sequence import Overloaded, Sequence, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +44,6 @@ class Stopping(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Ending:
-    """Why the transport wants a request stopped: ``CANCELLED`` (its client went away) or a failure."""
-
-    reason: FinishReason
-    error: str | None = None
-
-
-@dataclass(frozen=True)
 class Drain:
     """The server is stopping: finish what is held, and at ``deadline`` (``time.time()``) end the rest."""
 
@@ -52,27 +51,65 @@ class Drain:
     seconds: float  # the drain timeout, for the message the rest gets
 
 
+@dataclass(frozen=True)
+class Update:
+    """What one request has that its caller was not given yet: its new ids (after the ids before them
+    that their text needs), their logprobs when asked, and at the end why it finished. A request's
+    updates come in order, the last one with ``finish_reason``, exactly once."""
+
+    key: Hashable  # the caller's name for the request (``submit``)
+    ids: list[int]  # output ids from a point the text of the new ones needs: the first ``context`` were given before
+    context: int
+    completion_tokens: int  # every id so far
+    first: bool  # nothing was given before this update
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # with a failed finish_reason
+    logprobs: list[TokenLogprobs] | None = None  # one per id of ``ids``, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # in the first update, when the request asked
+    stop_after: int = 0  # stop strings count only when they end after this character of ``ids``' text (min_tokens)
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason.failed
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """The port's record of a submitted request: what its caller was given."""
+
+    key: Hashable
+    seq: Sequence
+    every_token: bool
+    given: int = 0  # output ids in updates so far
+    sent_first: bool = False
+    done: bool = False
+
+
 class EngineLoop:
+    """The engine's port: ``submit`` a validated request under a key, ``cancel`` it, and receive its
+    ``Update``s through ``on_update``; nothing of the transport enters the engine."""
+
     def __init__(
         self,
         build: Callable[[], Engine],
-        respond: Callable[[Sequence], bool],
-        ending: Callable[[Sequence], Ending | None],
+        on_update: Callable[[Update], None],
+        poll: Callable[[], None] = lambda: None,
         on_error: Callable[[str], None] = log.error,
         draining: Callable[[], Drain | None] = lambda: None,
         on_drained: Callable[[], None] = lambda: None,
     ) -> None:
-        """``build`` makes the engine (on the engine thread; its error is raised here); ``respond`` answers
-        a sequence with its new tokens (streaming) or its end, sets ``sent_tokens`` and says whether that
-        was the final answer; ``ending`` asks the transport whether a request must stop (its client has
-        gone); ``draining`` whether the server is stopping, and ``on_drained`` is called once, when it is
-        and every request taken has had its final answer."""
-        self.respond = respond
-        self.ending = ending
+        """``build`` makes the engine (on the engine thread; its error is raised here); ``on_update``
+        hands an update to the caller (on the responder thread; raising cancels that request); ``poll`` is
+        called there every CANCEL_POLL_SECONDS, for the caller to ``cancel`` requests whose clients have
+        gone; ``draining`` says whether the server is stopping, and ``on_drained`` is called once, when it
+        is and every request taken has had its final update."""
+        self.on_update = on_update
+        self.poll = poll
         self.on_error = on_error
         self.draining = draining
         self.on_drained = on_drained
-        self._held: set[Sequence] = set()  # submitted, final answer not yet sent
+        self._tickets: dict[Sequence, _Ticket] = {}  # submitted, final update not yet given
+        self._keys: dict[Hashable, Sequence] = {}
         self._drained = False  # draining, and nothing held: no request is taken any more
         self._held_lock = threading.Lock()
         self._wake = threading.Event()
@@ -91,19 +128,33 @@ class EngineLoop:
         self._responder = threading.Thread(target=self._respond_loop, name="llm-responder", daemon=True)
         self._responder.start()
 
-    def submit(self, seq: Sequence) -> None:
-        """Hand ``seq`` to the engine; raises ``Overloaded`` when it is full, ``Stopping`` once drained."""
+    def submit(self, request: GenerationRequest, key: Hashable, every_token: bool = False) -> None:
+        """Start generating ``request``; its updates carry ``key``: every new token when ``every_token``,
+        else only the end. Raises ``Overloaded`` when the engine is full, ``Stopping`` once drained."""
+        seq = Sequence(request)
         with self._held_lock:
             if self._drained:
                 raise Stopping()
-            self._held.add(seq)
+            self._tickets[seq] = _Ticket(key, seq, every_token)
+            self._keys[key] = seq
         try:
             self.engine.add(seq)
         except Overloaded:
-            with self._held_lock:
-                self._held.discard(seq)
+            self._forget(seq)
             raise
         self._wake.set()
+
+    def cancel(self, key: Hashable, reason: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> None:
+        """End the request ``key`` before the engine's next step, for ``reason``; its final update follows."""
+        seq = self._keys.get(key)
+        if seq is not None:
+            self.engine.cancel(seq, reason, error)
+            self._wake.set()
+
+    def keys(self) -> list[Hashable]:
+        """The requests not yet given their final update."""
+        with self._held_lock:
+            return list(self._keys)
 
     def stop(self, reason: str = "llm is unloading") -> None:
         """Finish both threads; whatever is still held gets an error, so no client waits forever."""
@@ -136,20 +187,16 @@ class EngineLoop:
             except Exception as e:  # OOM, a device error or a bug: the thread must live and answer everyone
                 self.on_error(f"llm: step failed, {len(self.engine.running)} running requests lost: {e}")
                 changed = self.engine.fail_all(f"generation failed: {e}")
-            self._publish([s for s in changed if s.stream or s.finished])
+            tickets = self._tickets
+            self._publish([s for s in changed if s.finished or (s in tickets and tickets[s].every_token)])
 
     def _poll(self) -> None:
-        """Ask the transport about every held request, and whether the server is stopping, at most every
-        CANCEL_POLL_SECONDS."""
+        """Let the caller cancel, and see whether the server is stopping, at most every CANCEL_POLL_SECONDS."""
         now = time.monotonic()
         if now - self._polled < CANCEL_POLL_SECONDS:
             return
         self._polled = now
-        for seq in self.engine.sequences():
-            ending = None if seq.finished else self.ending(seq)
-            if ending is not None:
-                self.engine.cancel(seq, ending.reason, ending.error)
-                self._wake.set()
+        self.poll()
         drain = self.draining()
         if drain is None or self._drained:
             return
@@ -159,7 +206,7 @@ class EngineLoop:
                                     f"({drain.seconds:g} s) ended this reply after {len(seq.output_ids)} tokens; retry")
             self._wake.set()
         with self._held_lock:
-            self._drained = not self._held
+            self._drained = not self._tickets
         if self._drained:
             self.on_drained()
 
@@ -182,15 +229,44 @@ class EngineLoop:
     def _send_outbox(self) -> None:
         with self._outbox_ready:
             seqs, self._outbox = list(self._outbox), {}
-        self.engine.metrics.flush()  # before the answers: a client that reads metrics after one sees its step
+        self.engine.metrics.flush()  # before the updates: a client that reads metrics after one sees its step
         for seq in seqs:
-            if seq.answered:
+            ticket = self._tickets.get(seq)
+            update = None if ticket is None else _update(ticket)
+            if update is None:
                 continue
             try:
-                seq.answered = self.respond(seq)
+                self.on_update(update)
             except Exception as e:  # a sender that fails (its client gone) must not stop the others
                 self.on_error(f"llm: could not answer a request: {e}")
                 self.engine.cancel(seq)
-            if seq.answered:
-                with self._held_lock:
-                    self._held.discard(seq)
+                continue
+            ticket.given, ticket.sent_first = update.completion_tokens, True
+            if update.finish_reason is not None:
+                self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        with self._held_lock:
+            ticket = self._tickets.pop(seq)
+            self._keys.pop(ticket.key, None)
+
+
+def _update(ticket: _Ticket) -> Update | None:
+    """Everything new for ``ticket``'s caller since its last update; None when there is nothing."""
+    seq = ticket.seq
+    finished = seq.finished  # read before the ids: a finished sequence's ids are all there
+    reason = seq.finish_reason if finished else None
+    first = not ticket.sent_first
+    if finished and reason.failed and first:  # nothing to carry but the error (it may never have been admitted)
+        return Update(ticket.key, [], 0, len(seq.output_ids), True, reason, seq.error)
+    count = len(seq.output_ids)
+    if count == ticket.given and not finished:
+        return None
+    start = seq.text.window(ticket.given)
+    request = seq.request
+    return Update(
+        ticket.key, seq.output_ids[start:count], ticket.given - start, count, first, reason, seq.error,
+        seq.token_logprobs[start:count] if request.top_logprobs is not None else None,
+        seq.prompt_token_logprobs if first and request.prompt_logprobs is not None else None,
+        seq.text.stop_after(start),
+    )

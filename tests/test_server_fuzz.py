@@ -132,7 +132,10 @@ CHAT = st.fixed_dictionaries(
         "stream": st.one_of(st.booleans(), JUNK), "stream_options": st.one_of(st.just({"include_usage": True}), JUNK),
         "logprobs": st.one_of(st.booleans(), JUNK), "top_logprobs": st.one_of(st.integers(-1, 7), JUNK),
         "max_completion_tokens": MAX_TOKENS, "ignore_eos": st.one_of(st.booleans(), JUNK),
-        "tools": JUNK, "response_format": st.one_of(st.just({"type": "text"}), JUNK), "logit_bias": JUNK,
+        "tools": JUNK, "response_format": st.one_of(st.just({"type": "text"}), JUNK),
+        "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 60000).map(str), TEXT), NUMBER, max_size=4), JUNK),
+        "min_p": NUMBER, "min_tokens": st.one_of(st.integers(-2, 600), JUNK),
+        "stop_token_ids": st.one_of(st.lists(st.integers(-5, 60000), max_size=4), JUNK),
         "user": st.one_of(st.text(max_size=8), JUNK), "unknown_field": JUNK,
     },
 )

@@ -6,6 +6,8 @@ that nothing compiles once it is built.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -15,11 +17,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.attention import NAME, use_grouped_attention
 from bench.static_llm import StaticGenerator
 from contract.errors import InvalidInput
+from contract.schema import FinishReason
 from contract.stops import partial_stop_length, visible_text
 from llm import LLM, LLMConfig
 from llm.compiles import COMPILATIONS
 from llm.kv import BLOCK_SIZE, blocks_for
 from llm.sequence import Overloaded, Sequence
+from llm.service import EngineLoop
 from llm.shapes import Shape, Shapes
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
@@ -103,7 +107,7 @@ def test_the_kv_budget_counts_whole_blocks_of_each_request_exactly(llm):
     engine = llm.engine()
     requests = [llm.validate(PROMPTS[1], 9), llm.validate(PROMPTS[0], 14), llm.validate(PROMPTS[2], 16)]  # 16, 17, 17
     for r in requests:
-        engine.add(Sequence(r, stream=True))
+        engine.add(Sequence(r))
     engine.step()
     assert engine.kv_tokens == sum(blocks_for(r.reserved_tokens) for r in requests) * BLOCK_SIZE == 80
 
@@ -395,3 +399,53 @@ def test_prompt_logprobs_are_the_models_own_and_meet_the_generated_tokens(model,
     assert again.prompt_token_logprobs[-1].top_ids == []
     plain = run(llm.engine(), [Sequence(llm.validate(prompt, 1))])[0]
     assert plain.prompt_token_logprobs == [] and plain.output_ids == seq.output_ids  # nothing asked, nothing computed
+
+
+# The engine's port (llm/service.py): what Triton's glue and the static baseline both talk to.
+
+
+def port_run(llm: LLM, submit, requests: int, slow: float = 0.0) -> dict:
+    """An EngineLoop on ``llm``: ``submit(loop)`` submits ``requests`` requests; their updates, by key,
+    once each had its final one. Each step takes ``slow`` seconds more, so a test can act mid-request."""
+    updates, ended = {}, threading.Semaphore(0)
+
+    def build():
+        engine = llm.engine()
+        run = engine.runner.run
+        engine.runner.run = lambda step: (time.sleep(slow), run(step))[1]
+        return engine
+
+    def on_update(update):
+        updates.setdefault(update.key, []).append(update)
+        if update.finish_reason is not None:
+            ended.release()
+
+    loop = EngineLoop(build, on_update)
+    try:
+        submit(loop)
+        assert all(ended.acquire(timeout=60) for _ in range(requests))
+    finally:
+        loop.stop()
+    return updates
+
+
+def test_the_port_streams_a_request_in_order_and_ends_it_once(llm):
+    request = llm.validate(PROMPTS[1], 12, ignore_eos=True, logprobs=True)
+    updates = port_run(llm, lambda loop: loop.submit(request, "a", every_token=True), 1)["a"]
+    assert updates[0].first and not any(u.first for u in updates[1:])
+    assert [u.finish_reason for u in updates] == [None] * (len(updates) - 1) + [FinishReason.LENGTH]
+    assert [i for u in updates for i in u.ids[u.context:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
+    assert all(len(u.logprobs) == len(u.ids) for u in updates) and updates[-1].completion_tokens == 12
+
+
+def test_the_port_gives_a_final_only_request_one_update_and_cancels_by_key(llm):
+    def submit(loop):
+        loop.submit(llm.validate(PROMPTS[0], 16, ignore_eos=True), "whole")
+        loop.submit(llm.validate(PROMPTS[2], 16, ignore_eos=True), "gone", every_token=True)
+        loop.cancel("gone")
+        loop.cancel("no such key")  # already answered, or never submitted: nothing happens
+
+    updates = port_run(llm, submit, 2, slow=0.01)
+    [whole] = updates["whole"]
+    assert whole.finish_reason is FinishReason.LENGTH and len(whole.ids) == whole.completion_tokens == 16
+    assert updates["gone"][-1].finish_reason is FinishReason.CANCELLED and updates["gone"][-1].completion_tokens < 16

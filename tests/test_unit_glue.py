@@ -137,7 +137,8 @@ def llm_model(load_model):
     model.llm.eos_ids = set()
     model.ids = (f"1-{n}" for n in itertools.count())
     model.fingerprint = np.array([[b"f"]], dtype=np.object_)
-    model.loop = EngineLoop(model.llm.engine, model._respond, model._ending, print)
+    model.pending = {}
+    model.loop = EngineLoop(model.llm.engine, model._respond, model._poll, print)
     yield model
     model.finalize()
 
@@ -187,7 +188,7 @@ def test_an_engine_that_fails_to_build_fails_the_load_with_its_reason():
         raise RuntimeError("kv_cache_tokens too large")
 
     with pytest.raises(RuntimeError, match="kv_cache_tokens too large"):
-        EngineLoop(build, lambda seq: True, lambda seq: False, print)
+        EngineLoop(build, lambda update: None, on_error=print)
 
 
 def model_config(model: str) -> str:

@@ -1,4 +1,6 @@
-"""Triton glue for ``llm`` (decoupled): ``execute`` validates and hands requests to the engine thread."""
+"""Triton glue for ``llm`` (decoupled): ``execute`` validates and submits requests to the engine's port
+(``llm.service.EngineLoop``); its updates come back as responses. What Triton needs of a request (its
+response sender, and the request for the outputs that repeat it) stays here, in ``pending``."""
 
 import itertools
 import json
@@ -13,8 +15,9 @@ from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, STOPPING, UNA
 from contract.schema import FinishReason, request_fields
 from llm import LLM, LLMConfig, configure_threads
 from llm.compiles import COMPILATIONS, Progress
-from llm.sequence import Overloaded, Sequence
-from llm.service import Drain, EngineLoop, Ending, Stopping
+from llm.request import GenerationRequest
+from llm.sequence import Overloaded
+from llm.service import Drain, EngineLoop, Stopping, Update
 from triton_glue import cancel, drain
 from triton_glue.metrics import TritonMetrics
 from triton_glue.params import read_parameters
@@ -25,11 +28,11 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 FIELDS = tuple(f for f in request_fields("llm") if f.name != "stream")
 
 
-class Handle(NamedTuple):
-    """What the engine carries for Triton: where answers go, and the name cancellation uses."""
+class Pending(NamedTuple):
+    """What the glue keeps of a request until its final update: where answers go, and what it asked."""
 
     sender: "pb_utils.InferenceResponseSender"
-    generation_id: str
+    request: GenerationRequest
 
 
 # What leads the message of each failed ending (contract/errors.py: the message carries its kind).
@@ -41,32 +44,31 @@ def _listed(row: np.ndarray | None) -> list | None:
     return None if row is None else row.tolist()
 
 
-def _failure(seq: Sequence) -> str:
-    if seq.finish_reason is FinishReason.CANCELLED:
+def _failure(update: Update) -> str:
+    if update.finish_reason is FinishReason.CANCELLED:
         return CANCELLED
-    return FAILURE_PREFIX[seq.finish_reason] + (seq.error or "")
+    return FAILURE_PREFIX[update.finish_reason] + (update.error or "")
 
 
-def _logprobs(seq: Sequence, start: int, end: int) -> dict[str, np.ndarray]:
-    """The log-probabilities of ``output_ids[start:end]``, a row per id: the id's own, then its top
+def _logprobs(update: Update, k: int | None) -> dict[str, np.ndarray]:
+    """The log-probabilities of the update's ids, a row per id: the id's own, then its top ``k``
     alternatives (and their ids). Zero columns when the request did not ask."""
-    k = seq.request.top_logprobs
-    rows = seq.token_logprobs[start:end] if k is not None else []
+    rows = update.logprobs or []
     values = np.array([[lp.logprob, *lp.top_logprobs] for lp in rows], dtype=np.float32).reshape(len(rows), -1 if rows else 0)
     ids = np.array([lp.top_ids for lp in rows], dtype=np.int32).reshape(len(rows), k or 0)
     return {"output_logprobs": values[None], "top_logprob_ids": ids[None]}
 
 
-def _input_logprobs(seq: Sequence, first: bool) -> dict[str, np.ndarray]:
-    """With ``prompt_logprobs``, in the first response: a row per prompt id, its log-probability (NaN for
+def _input_logprobs(update: Update, request: GenerationRequest) -> dict[str, np.ndarray]:
+    """With ``prompt_logprobs``, in the first update: a row per prompt id, its log-probability (NaN for
     the first) then its alternatives', and its id then theirs. No rows otherwise."""
-    k = seq.request.prompt_logprobs
-    if not first or k is None:
+    k = request.prompt_logprobs
+    if update.prompt_logprobs is None:
         return {"input_logprobs": np.zeros((1, 0, 0), np.float32), "input_logprob_ids": np.zeros((1, 0, 0), np.int32)}
-    ids = seq.request.input_ids
+    ids = request.input_ids
     values, top = np.full((len(ids), 1 + k), np.nan, np.float32), np.full((len(ids), 1 + k), -1, np.int32)
     top[:, 0] = ids
-    for row, lp in enumerate(seq.prompt_token_logprobs, start=1):
+    for row, lp in enumerate(update.prompt_logprobs, start=1):
         values[row] = [lp.logprob, *lp.top_logprobs]
         top[row, 1:] = lp.top_ids
     return {"input_logprobs": values[None], "input_logprob_ids": top[None]}
@@ -108,29 +110,29 @@ class TritonPythonModel:
 
         self.server_pid = os.getppid()  # the tritonserver that started this stub
         cancel.sweep()
-        self.loop = EngineLoop(build, self._respond, self._ending, pb_utils.Logger.log_error, self._draining,
-                               self._drained)
+        self.pending: dict[str, Pending] = {}  # by generation id: "<pid>-<n>", unique on the host
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
+        self.loop = EngineLoop(build, self._respond, self._poll, pb_utils.Logger.log_error, self._draining, self._drained)
         self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
 
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                handle = Handle(sender, next(self.ids))
-                seq = Sequence(self._validate(request), handle=handle, stream=bool(scalar(request, "stream")))
+                generation, every_token = self._validate(request), bool(scalar(request, "stream"))
             except InvalidInput as e:
                 sender.send(error_response(e), flags=FINAL)
                 continue
+            key = next(self.ids)
+            self.pending[key] = Pending(sender, generation)
             try:
-                self.loop.submit(seq)
-            except Overloaded as e:
-                sender.send(failure(OVERLOADED + str(e)), flags=FINAL)
-            except Stopping:
-                sender.send(failure(STOPPING), flags=FINAL)
+                self.loop.submit(generation, key, every_token)
+            except (Overloaded, Stopping) as e:
+                del self.pending[key]
+                sender.send(failure(OVERLOADED + str(e) if isinstance(e, Overloaded) else STOPPING), flags=FINAL)
         return None
 
-    def _validate(self, request):
+    def _validate(self, request) -> GenerationRequest:
         ids = single(request, "input_ids")
         if ids is None:
             raise InvalidInput("input_ids is required")
@@ -141,13 +143,17 @@ class TritonPythonModel:
             tokenizer_fingerprint=None if fingerprint is None else decode_utf8("tokenizer_fingerprint", fingerprint),
         )
 
-    def _ending(self, seq: Sequence) -> Ending | None:
-        if seq.handle.sender.is_cancelled():
-            return Ending(FinishReason.CANCELLED)
-        error = cancel.take(seq.handle.generation_id)
-        if error is None:
-            return None
-        return Ending(FinishReason.ERROR, error) if error else Ending(FinishReason.CANCELLED)
+    def _poll(self) -> None:
+        """On the responder thread: cancel the requests whose clients went away (Triton says so) or whose
+        stream postprocess ended (the cancel board, ``triton_glue/cancel.py``)."""
+        for key in self.loop.keys():
+            pending = self.pending.get(key)
+            if pending is not None and pending.sender.is_cancelled():
+                self.loop.cancel(key)
+                continue
+            error = cancel.take(key)
+            if error is not None:
+                self.loop.cancel(key, FinishReason.ERROR if error else FinishReason.CANCELLED, error or None)
 
     def _draining(self) -> Drain | None:
         notice = drain.notice(self.server_pid)
@@ -157,41 +163,36 @@ class TritonPythonModel:
         drain.done(os.getpid())
         pb_utils.Logger.log_info("llm: drained: every request taken has had its final answer")
 
-    def _respond(self, seq: Sequence) -> bool:
-        """The responder thread's answer: the tail of the ids that postprocess needs to turn everything new
-        since the last answer into text (``TextTracker.window``), or an error. True when it was final.
+    def _respond(self, update: Update) -> None:
+        """The responder thread's answer: the ids postprocess needs to turn the new ones into text, or an
+        error.
 
         A failure is llm's own error response only while nothing was sent: after that, postprocess steps
         of this request may still be in flight, and Triton 2.51's ensemble never finishes a request whose
         step fails while another step runs (its in-flight count never returns to 0; fixed in later
         Triton). So a failure mid-stream travels as a final response carrying ``error``, and postprocess,
         the last step, answers with it."""
-        finished = seq.finished  # read before the ids: a finished sequence's ids are all there
-        sender = seq.handle.sender
-        failed = finished and seq.finish_reason.failed
-        if failed and seq.sent_tokens == 0:  # every response of a stream before this one carried tokens
-            sender.send(failure(_failure(seq)), flags=FINAL)
-            return True
-        count = len(seq.output_ids)
-        if count == seq.sent_tokens and not finished:
-            return False
-        start = seq.text.window(seq.sent_tokens)
-        sender.send(response(
-            output_ids=np.array([seq.output_ids[start:count]], dtype=np.int32),
-            sent_tokens=np.array([[seq.sent_tokens - start]], dtype=np.int32),
-            completion_tokens=np.array([[count]], dtype=np.int32),
-            prompt_tokens=np.array([[len(seq.request.input_ids)]], dtype=np.int32),
-            finish_reason=np.array([[seq.finish_reason.value.encode() if finished else b""]], dtype=np.object_),
-            tokenizer_fingerprint=self.fingerprint,
-            stop=np.array([[s.encode() for s in seq.request.stop]], dtype=np.object_).reshape(1, -1),
-            stop_after=np.array([[seq.text.stop_after(start)]], dtype=np.int32),
-            generation_id=np.array([[seq.handle.generation_id.encode()]], dtype=np.object_),
-            error=np.array([[_failure(seq).encode() if failed else b""]], dtype=np.object_),
-            **_logprobs(seq, start, count),
-            **_input_logprobs(seq, first=seq.sent_tokens == 0),
-        ), flags=FINAL if finished else 0)
-        seq.sent_tokens = count
-        return finished
+        sender, request = self.pending[update.key]
+        finished = update.finish_reason is not None
+        if update.failed and update.first:
+            sender.send(failure(_failure(update)), flags=FINAL)
+        else:
+            sender.send(response(
+                output_ids=np.array([update.ids], dtype=np.int32),
+                sent_tokens=np.array([[update.context]], dtype=np.int32),
+                completion_tokens=np.array([[update.completion_tokens]], dtype=np.int32),
+                prompt_tokens=np.array([[len(request.input_ids)]], dtype=np.int32),
+                finish_reason=np.array([[update.finish_reason.value.encode() if finished else b""]], dtype=np.object_),
+                tokenizer_fingerprint=self.fingerprint,
+                stop=np.array([[s.encode() for s in request.stop]], dtype=np.object_).reshape(1, -1),
+                stop_after=np.array([[update.stop_after]], dtype=np.int32),
+                generation_id=np.array([[update.key.encode()]], dtype=np.object_),
+                error=np.array([[_failure(update).encode() if update.failed else b""]], dtype=np.object_),
+                **_logprobs(update, request.top_logprobs),
+                **_input_logprobs(update, request),
+            ), flags=FINAL if finished else 0)
+        if finished:
+            del self.pending[update.key]
 
     def finalize(self) -> None:
         self.loop.stop()
