@@ -239,8 +239,9 @@ class EngineLoop:
                 self.on_update(update)
             except Exception as e:  # a sender that fails (its client gone) must not stop the others
                 self.on_error(f"llm: could not answer a request: {e}")
-                self.engine.cancel(seq)
-                continue
+                if update.finish_reason is None:  # end it; a final update that failed has nothing left to say
+                    self.engine.cancel(seq)
+                    continue
             ticket.given, ticket.sent_first = update.completion_tokens, True
             if update.finish_reason is not None:
                 self._forget(seq)

@@ -174,6 +174,8 @@ class TritonPythonModel:
         the last step, answers with it."""
         sender, request = self.pending[update.key]
         finished = update.finish_reason is not None
+        if finished:
+            del self.pending[update.key]  # whether or not the send below succeeds: nothing follows a final update
         if update.failed and update.first:
             sender.send(failure(_failure(update)), flags=FINAL)
         else:
@@ -191,8 +193,6 @@ class TritonPythonModel:
                 **_logprobs(update, request.top_logprobs),
                 **_input_logprobs(update, request),
             ), flags=FINAL if finished else 0)
-        if finished:
-            del self.pending[update.key]
 
     def finalize(self) -> None:
         self.loop.stop()
