@@ -93,6 +93,13 @@ def test_a_client_batch_of_two_is_refused_clearly(http_url):
         ({"stop": ["a"] * 9}, "stop holds 9 strings; the limit is 8 (max_stop_count)"),
         ({"stop": ["x" * 129]}, "stop[0] is 129 bytes; the limit is 128 (max_stop_bytes)"),
         ({"stop": ["ok", ""]}, "stop[1] must not be empty"),
+        ({"min_p": 1.5}, "min_p must be in [0.0, 1.0], got 1.5"),
+        ({"min_tokens": 5}, "min_tokens=5 must not exceed max_tokens=4"),
+        ({"logit_bias": "{"}, "logit_bias is not valid JSON"),
+        ({"logit_bias": '{"abc": 1}'}, "logit_bias key 'abc' is not a token id"),
+        ({"logit_bias": '{"7042": -150}'}, "logit_bias['7042'] must be in [-100.0, 100.0], got -150"),
+        ({"stop_token_ids": [49152]}, "stop_token_ids[0] must be in [0, 49151], got 49152"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids holds 65 entries; the limit is 64"),
     ],
 )
 def test_sampling_and_stop_out_of_range_are_refused(generate, params, message):
