@@ -96,8 +96,9 @@ class Field:
         """The range as docs/api.md shows it."""
         if self.low is None:
             return ""
-        high = f"`{self.high}`" if isinstance(self.high, str) else f"{self.high:g}"
-        return f"{'(' if self.low_open else '['}{self.low:g}, {high}]"
+        number = lambda x: f"`{x}`" if isinstance(x, str) else str(x) if isinstance(x, int) else f"{x:g}"  # noqa: E731
+        entries = f", at most {self.count} entries" if self.count else ""
+        return f"{'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}]{entries}"
 
 
 PRE, LLM = ("preprocess",), ("llm",)
