@@ -43,6 +43,7 @@ from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
 from launcher.triton import TritonServer
 from llm import LLM, LLMConfig, load_model
+from llm.grammar import llguidance_grammar
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
 log = logging.getLogger("bench")
@@ -54,6 +55,7 @@ class Plan:
     baseline_concurrency: tuple[int, ...]  # in_process, static and ensemble_grpc
     openai_concurrency: tuple[int, ...]  # openai_http (fixed workload), and guidellm in full mode
     sampled_concurrency: tuple[int, ...]  # ensemble_http on the sampled workload (every row through the sampler)
+    structured_concurrency: tuple[int, ...]  # ensemble_http on the structured workload (a JSON schema on every row)
     fixed_tokens: int
     variable_tokens: tuple[int, int]
     perf_analyzer: bool
@@ -65,8 +67,8 @@ class Plan:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 4), (1, 4), (1, 4), (4,), 16, (4, 32), perf_analyzer=False, peers=False, third_party=False, rounds=1)
-FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), (16, 64), 64, (8, 128), perf_analyzer=True, peers=True,
+QUICK = Plan((1, 4), (1, 4), (1, 4), (4,), (4,), 16, (4, 32), perf_analyzer=False, peers=False, third_party=False, rounds=1)
+FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), (16, 64), (1, 16), 64, (8, 128), perf_analyzer=True, peers=True,
             third_party=True, rounds=2)
 
 
@@ -82,6 +84,24 @@ def machine() -> dict:
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
     }
+
+
+def grammar_build_ms(llm: LLM) -> dict[str, float]:
+    """Milliseconds to build a grammar no request asked for before (what a new schema costs, on the
+    submitting thread): the structured workload's schema and a nested one; first the tokenizer's one-time
+    conversion for llguidance."""
+    def timed(spec: dict) -> float:
+        begin = time.perf_counter()
+        llm.grammars.matcher(llguidance_grammar(spec))
+        return 1000 * (time.perf_counter() - begin)
+
+    nested = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "colour"], "properties": {
+        "customer": {"type": "string", "maxLength": 16}, "colour": {"enum": ["red", "green", "blue"]},
+        "items": {"type": "array", "maxItems": 3, "items": {"type": "object", "additionalProperties": False,
+                  "required": ["name", "quantity"], "properties": {"name": {"type": "string", "maxLength": 12},
+                                                                   "quantity": {"type": "integer", "minimum": 1}}}}}}
+    return {"tokenizer_once": timed({"regex": "a"}), "workload_schema": timed({"json": workload.SCHEMA}),
+            "nested_schema": timed({"json": nested})}
 
 
 def workloads(plan: Plan) -> dict[str, list[workload.Item]]:
@@ -263,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0" if gpu else "cpu")
     sets = workloads(plan)
     sampled = {"sampled": workload.sampled(len(sets["fixed"]), plan.fixed_tokens, seed=1)}  # our pipeline only
+    structured = {"structured": workload.structured(len(sets["fixed"]), plan.fixed_tokens, seed=1)}
     preprocessor = Preprocessor(PreprocessConfig(str(model_dir)))
     ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode()))
            for items in sets.values() for i in items}
     contexts = {name: sum(len(ids[i.text_input]) + i.max_tokens / 2 for i in items) / len(items)
-                for name, items in (sets | sampled).items()}
+                for name, items in (sets | sampled | structured).items()}
 
     config = LLMConfig(str(model_dir), max_tokens_limit=512, compile=False)
     hf = load_model(config, device)
@@ -277,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = roofline.measure(params, llm.kv_bytes_per_token // llm.dtype.itemsize,
                               list(dict.fromkeys([llm.dtype, torch.float32])), device, args.quick)
     points = in_process(StaticGenerator(hf, llm), ids, sets, plan, dtype)
+    grammar_build = grammar_build_ms(llm)
     del hf, llm
 
     config_name = "" if gpu else "cpu"
@@ -288,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sets, plan, plan.concurrency,
                                            plan.baseline_concurrency))
         points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sampled, plan, plan.sampled_concurrency))
+        points += asyncio.run(sweep_triton("ensemble_http", dtype, server, structured, plan, plan.structured_concurrency))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
         frontend = OpenAIFrontend(server, model_dir.name, log_path=out / "openai.log", port=free_port()).start()
         try:
@@ -335,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "openai": report.openai_rows(points),
         "peers": peer_notes,
         "ensemble_overhead": overhead,
+        "grammar_build_ms": grammar_build,
         "startup_s": startup,
         "compile_cache_warm": cache_warm,
         "perf_analyzer_cross_check": cross_check,

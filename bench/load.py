@@ -72,6 +72,8 @@ def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble
                 "stream": True}
         body |= {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p), ("seed", item.seed))
                  if v is not None}
+        if item.structured_outputs is not None:
+            body["structured_outputs"] = json.dumps(item.structured_outputs)
         begin, first, tokens = time.perf_counter(), None, 0
         async with session.post(f"{url}/v2/models/{model}/generate_stream", json=body) as reply:
             lines = aiter(reply.content)

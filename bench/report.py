@@ -110,7 +110,7 @@ def markdown(results: dict) -> str:
               f"{r['weight_bytes'] / 2**20:.0f} MiB (ridge at batch {r['ridge_batch']:.0f})"
               for name, r in results["roofline"].items()]
     lines.append("")
-    for name in [n for n in ("fixed", "variable", "sampled") if n in results["contexts"]]:
+    for name in [n for n in ("fixed", "variable", "sampled", "structured") if n in results["contexts"]]:
         lines += [
             f"**{name}** workload (mean context {results['contexts'][name]:.0f} tokens)", "",
             "| system | dtype | concurrency | tok/s | req/s | p50 ms | p99 ms | TTFT p50 ms | % roofline | vs llama-server | vs in-process | vs static | client CPU % |",
@@ -154,7 +154,9 @@ def markdown(results: dict) -> str:
     lines += ["", f"Ensemble overhead (fixed workload, concurrency 1, p50): llm direct {o['llm_p50_ms']:.1f} ms, "
               f"through the ensemble {o['ensemble_p50_ms']:.1f} ms: {o['overhead_ms']:+.1f} ms ({o['overhead_pct']:+.1f}%).",
               "", f"Ensemble server ready {results['startup_s']:.0f} s after start (llm's compiled code "
-              f"{'loaded from the cache' if results['compile_cache_warm'] else 'compiled on this start'})."]
+              f"{'loaded from the cache' if results['compile_cache_warm'] else 'compiled on this start'}).",
+              "", "Building a new grammar (structured outputs, on the submitting thread, never the engine's): "
+              + ", ".join(f"{name.replace('_', ' ')} {ms:.1f} ms" for name, ms in results["grammar_build_ms"].items()) + "."]
     x = results.get("perf_analyzer_cross_check")
     if x:
         pa = x["perf_analyzer"]

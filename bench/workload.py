@@ -1,4 +1,4 @@
-"""Seeded prompt sets: a fixed-length one, a variable one, and the fixed one sampled."""
+"""Seeded prompt sets: a fixed-length one, a variable one, and the fixed one sampled or with a JSON schema."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class Item:
     temperature: float | None = None  # None: greedy (the server's default)
     top_p: float | None = None
     seed: int | None = None
+    structured_outputs: dict | None = None  # a grammar every token of the reply follows
 
 
 def _prompt(rng: random.Random, words: int) -> str:
@@ -44,3 +45,14 @@ def sampled(count: int, max_tokens: int, seed: int = 0) -> list[Item]:
     """``fixed``'s requests with temperature 0.8 and top-p 0.9, each seeded: every row goes through the
     sampler instead of the batch's one argmax."""
     return [replace(item, temperature=0.8, top_p=0.9, seed=n) for n, item in enumerate(fixed(count, max_tokens, seed))]
+
+
+# A JSON object whose one string is long enough that every reply runs to max_tokens (as ignore_eos makes the
+# others do), so the constrained and the free workload generate the same tokens.
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"],
+          "additionalProperties": False}
+
+
+def structured(count: int, max_tokens: int, seed: int = 0) -> list[Item]:
+    """``fixed``'s requests with ``SCHEMA`` on every one: every token of every row masked by its grammar."""
+    return [replace(item, structured_outputs={"json": SCHEMA}) for item in fixed(count, max_tokens, seed)]

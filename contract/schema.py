@@ -150,6 +150,9 @@ REQUEST = (
     Field("logit_bias", "TYPE_STRING", to=LLM, json=dict[str, float], low=-100.0, high=100.0, count=LOGIT_BIAS_LIMIT,
           openai=True, help='JSON object {"token id": bias}, added to those tokens\' logits before the choice '
           "(greedy too), as OpenAI's: -100 bans a token, 100 forces it"),
+    Field("structured_outputs", "TYPE_STRING", to=LLM, json=dict, openai=True, help='JSON object, vLLM\'s: '
+          'exactly one of {"json": a JSON schema}, {"json_object": true}, {"regex": "..."}, {"choice": ["a", "b"]}, '
+          '{"grammar": "a Lark grammar"}; the reply is valid by construction (cut off by max_tokens, it ends with length)'),
     Field("ignore_eos", "TYPE_BOOL", to=LLM, default=False, openai=True,
           help="true generates exactly max_tokens tokens, past the end-of-turn token (benchmarks and load tests)"),
     Field("stream", "TYPE_BOOL", to=LLM, default=False,

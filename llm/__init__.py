@@ -12,6 +12,7 @@ from contract.paths import allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 from llm.engine import Engine
+from llm.grammar import Grammars
 from llm.kv import BLOCK_SIZE, BlockTable, cache_slots
 from llm.model import Decoder
 from llm.compiles import Progress
@@ -123,6 +124,7 @@ class LLM:
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
         self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
                              config.max_stop_count, config.max_stop_bytes, self.fingerprint)
 
@@ -145,7 +147,7 @@ class LLM:
                            f"{', capturing the decode shapes as CUDA graphs' if self.device.type == 'cuda' else ''}")
         runner = ModelRunner(self.decoder, table, self.device, c.compile, shapes,
                              progress.status if progress is not None else lambda text: None)
-        return Engine(runner, scheduler, self.eos_ids, self.decode, metrics)
+        return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars)
 
     def decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)

@@ -15,6 +15,7 @@ import torch
 
 from contract.schema import FinishReason
 from contract.stops import TextTracker
+from llm.grammar import Grammars
 from llm.runner import ModelRunner
 from llm.sampling import Sampler, sample
 from llm.scheduler import Scheduler, Step
@@ -23,8 +24,9 @@ from llm.sequence import Metrics, Sequence, TokenLogprobs
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: set[int],
-                 decode: Callable[[list[int]], str], metrics: Metrics) -> None:
+                 decode: Callable[[list[int]], str], metrics: Metrics, grammars: Grammars | None = None) -> None:
         self.runner = runner
+        self.grammars = grammars
         self.scheduler = scheduler
         self.eos_ids = eos_ids
         self.decode = decode
@@ -33,6 +35,10 @@ class Engine:
 
     # Called from any thread.
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; its grammar, if any, is built here, on the caller's thread (``InvalidInput`` if
+        it cannot serve this model)."""
+        if seq.request.grammar is not None:
+            seq.matcher = self.grammars.matcher(seq.request.grammar)
         self.scheduler.add(seq)
 
     def sequences(self) -> list[Sequence]:
@@ -85,7 +91,8 @@ class Engine:
 
     def _admitted(self, seq: Sequence) -> None:
         request = seq.request
-        seq.sampler = Sampler(request.sampling, self.device, frozenset() if request.ignore_eos else frozenset(self.eos_ids))
+        seq.sampler = Sampler(request.sampling, self.device, frozenset() if request.ignore_eos else frozenset(self.eos_ids),
+                              seq.matcher)
         seq.text = TextTracker(self.decode, request.stop, request.sampling.min_tokens)
         if seq.request.prompt_logprobs is not None:
             seq.prompt_token_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
@@ -162,7 +169,12 @@ class Engine:
         seq.output_ids.append(token)
         if logprobs is not None:
             seq.token_logprobs.append(logprobs)
-        if seq.text.add(seq.output_ids):
+        matcher = seq.sampler.matcher
+        if matcher is not None and not matcher.consume_token(token):  # its mask let only valid tokens through
+            seq.finish_reason, seq.error = FinishReason.ERROR, f"the grammar refused token {token}: {matcher.get_error()}"
+        elif matcher is not None and matcher.is_stopped():
+            seq.finish_reason = FinishReason.STOP  # the grammar is complete
+        elif seq.text.add(seq.output_ids):
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_ids) >= request.max_tokens:
             seq.finish_reason = FinishReason.LENGTH

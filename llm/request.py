@@ -14,6 +14,7 @@ from typing import Any, get_origin
 
 from contract.errors import InvalidInput, decode_utf8
 from contract.schema import PYTHON_TYPES, request_fields
+from llm.grammar import llguidance_grammar
 
 FIELDS = {f.name: f for f in request_fields("llm")}
 
@@ -53,6 +54,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # generate exactly max_tokens tokens (benchmarks, load tests)
     top_logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    grammar: str | None = None  # llguidance's grammar the reply must follow (structured_outputs)
 
     @property
     def reserved_tokens(self) -> int:
@@ -152,7 +154,18 @@ def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None
         )
     return GenerationRequest(list(input_ids), max_tokens, sampling, _stop(stop or [], limits),
                              _scalar("ignore_eos", values.get("ignore_eos"), limits),
-                             top_logprobs if logprobs else None, prompt_logprobs)
+                             top_logprobs if logprobs else None, prompt_logprobs,
+                             _grammar(values.get("structured_outputs")))
+
+
+def _grammar(raw: Any) -> str | None:
+    """The grammar a ``structured_outputs`` object asks for (``llm/grammar.py``), or None."""
+    if raw is None:
+        return None
+    spec = _json("structured_outputs", raw)
+    if not isinstance(spec, dict):
+        raise InvalidInput(f"structured_outputs must be a JSON object, got {spec!r}"[:200])
+    return llguidance_grammar(spec)
 
 
 def _stop(stop: list[bytes], limits: Limits) -> tuple[str, ...]:

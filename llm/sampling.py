@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from llm import grammar
 from llm.request import SamplingParams
 
 
@@ -13,10 +14,12 @@ class Sampler:
     """A request's sampling settings and its own random generator: a row's draws never depend on its
     batch-mates. The drawing itself is batched (``sample``)."""
 
-    def __init__(self, params: SamplingParams, device: torch.device, ends: frozenset[int] = frozenset()) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device, ends: frozenset[int] = frozenset(),
+                 matcher=None) -> None:
         """``ends``: the tokens that would end the reply (its end-of-turn and stop tokens), held back until
-        it has ``min_tokens``."""
+        it has ``min_tokens``; ``matcher``: the grammar the reply follows (``llm/grammar.py``), if any."""
         self.params = params
+        self.matcher = matcher
         self.ends = ends | frozenset(params.stop_token_ids)
         self.generator = None
         if not params.greedy:
@@ -31,7 +34,7 @@ class Sampler:
         """Greedy with nothing that changes the logits: the batch's one argmax serves this row."""
         p = self.params
         return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                and not p.logit_bias and not p.min_tokens)
+                and not p.logit_bias and not p.min_tokens and self.matcher is None)
 
 
 # A sampled row draws among its most likely tokens first: exact whenever they hold its top-k, or the
@@ -47,6 +50,7 @@ def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[
     its own generator only (an exponential race: the argmax of probabilities over exponential noise, the
     same distribution as multinomial), so a seed gives its row the same tokens whatever its batch-mates."""
     params = [s.params for s in samplers]
+    grammar.mask(logits, [s.matcher for s in samplers])
     _penalize(logits, params, histories)
     _bias(logits, samplers, histories)
     tokens = logits.argmax(-1)
@@ -140,7 +144,7 @@ def _bias(logits: torch.Tensor, samplers: list[Sampler], histories: list[tuple[l
         p = sampler.params
         for token, bias in p.logit_bias:
             rows.append(row), ids.append(token), values.append(bias)
-        if len(reply) < p.min_tokens:
+        if len(reply) < p.min_tokens and sampler.matcher is None:  # a grammar decides when it may end
             for token in sampler.ends:
                 rows.append(row), ids.append(token), values.append(float("-inf"))
     if rows:

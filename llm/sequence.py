@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from contract.schema import FinishReason
 from contract.stops import TextTracker
@@ -59,6 +59,7 @@ class Sequence:
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     sampler: Sampler | None = None
+    matcher: Any = None  # its grammar's matcher (llguidance), built when it is submitted
     text: TextTracker | None = None
     row: int = 0  # its row of the block table once admitted
     cached: int = 0  # positions whose keys and values are in the cache

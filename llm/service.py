@@ -32,7 +32,7 @@ from typing import Callable
 from contract.schema import FinishReason
 from llm.engine import Engine
 from llm.request import GenerationRequest
-from llm.sequence import Overloaded, Sequence, TokenLogprobs
+from llm.sequence import Sequence, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class EngineLoop:
 
     def submit(self, request: GenerationRequest, key: Hashable, every_token: bool = False) -> None:
         """Start generating ``request``; its updates carry ``key``: every new token when ``every_token``,
-        else only the end. Raises ``Overloaded`` when the engine is full, ``Stopping`` once drained."""
+        else only the end. Raises ``Overloaded`` when the engine is full, ``Stopping`` once drained, and
+        ``InvalidInput`` for a grammar this model cannot follow (built here, on the caller's thread)."""
         seq = Sequence(request)
         with self._held_lock:
             if self._drained:
@@ -139,7 +140,7 @@ class EngineLoop:
             self._keys[key] = seq
         try:
             self.engine.add(seq)
-        except Overloaded:
+        except Exception:  # Overloaded, or InvalidInput for a grammar this model cannot follow
             self._forget(seq)
             raise
         self._wake.set()

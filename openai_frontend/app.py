@@ -214,9 +214,11 @@ def _serve_generations(app: FastAPI, settings: Settings, triton: Triton, metrics
     async def chat(request: Request) -> Response:
         deadline = Deadline(request, settings.request_timeout)
         body = await _parse(request, ChatCompletionRequest, settings)
-        base = {"messages": body.conversation(), "logprobs": body.logprobs or None, "top_logprobs": body.top_logprobs}
+        base = {"messages": body.conversation(), "logprobs": body.logprobs or None, "top_logprobs": body.top_logprobs,
+                "structured_outputs": body.structured()}
         names = {**SAMPLING_NAMES, "text_input": "messages", "prompt": "messages", "messages": "messages",
-                 "max_tokens": body.budget_name, "logprobs": "logprobs", "top_logprobs": "top_logprobs"}
+                 "max_tokens": body.budget_name, "logprobs": "logprobs", "top_logprobs": "top_logprobs",
+                 "structured_outputs": body.structured_name}
         generations = Generations(triton, [_pipeline_prompts(body, base, body.n)], request, deadline, drain, names)
         return await answer(generations, ChatReply(body, settings.model_name), metrics, "/v1/chat/completions")
 

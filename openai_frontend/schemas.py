@@ -90,8 +90,26 @@ class Message(Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(Strict):
+    name: str
+    schema_: dict | None = Field(None, alias="schema")  # ``schema`` would shadow pydantic's own attribute
+    strict: bool | None = None  # the reply always follows the schema here, strict or not
+    description: str | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> dict | None:
+        """The pipeline's ``structured_outputs`` for this format (None for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise FieldError("response_format.json_schema", "response_format.json_schema is required with type json_schema")
+            return {"json": self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}}
+        return None
 
 
 # The request fields of contract/schema.py that the OpenAI API takes by the same name and passes on as
@@ -145,6 +163,20 @@ class ChatCompletionRequest(GenerationFields):
             raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one of them")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs is only allowed with logprobs=true")
+        if self.response_format is not None:
+            self.response_format.structured_outputs()  # a json_schema format without its json_schema is refused
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs is not None:
+            raise FieldError("structured_outputs", "send response_format or structured_outputs, not both")
+
+    def structured(self) -> dict | None:
+        """What constrains the reply: ``response_format`` (OpenAI's), else ``structured_outputs`` (vLLM's)."""
+        format = self.response_format.structured_outputs() if self.response_format is not None else None
+        return format if format is not None else self.structured_outputs
+
+    @property
+    def structured_name(self) -> str:
+        """The field the client constrained the reply with, for messages."""
+        return "response_format" if self.response_format is not None and self.response_format.type != "text" else "structured_outputs"
 
     @property
     def budget_name(self) -> str:

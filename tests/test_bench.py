@@ -39,6 +39,9 @@ def test_workloads_are_seeded_and_within_their_ranges():
     sampled = workload.sampled(20, 64, seed=1)
     assert [i.text_input for i in sampled] == [i.text_input for i in workload.fixed(20, 64, seed=1)]
     assert {(i.temperature, i.top_p) for i in sampled} == {(0.8, 0.9)} and len({i.seed for i in sampled}) == 20
+    structured = workload.structured(20, 64, seed=1)
+    assert [i.text_input for i in structured] == [i.text_input for i in sampled]
+    assert all(i.structured_outputs == {"json": workload.SCHEMA} for i in structured)
 
 
 def test_stats_delta_gives_per_request_means():
@@ -103,17 +106,19 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     seen = {(p["system"], p["workload"], p["concurrency"]) for p in results["points"]}
     openai = {("openai_http", "fixed", c) for c in plan["openai_concurrency"]}  # guidellm runs in full mode only
     sampled = {("ensemble_http", "sampled", c) for c in plan["sampled_concurrency"]}
+    structured = {("ensemble_http", "structured", c) for c in plan["structured_concurrency"]}
     served = {(s, w, c) for s in systems for w in ("fixed", "variable") for c in plan["concurrency"]}
-    assert seen == served | openai | sampled
+    assert seen == served | openai | sampled | structured
     assert {p["dtype"] for p in results["points"]} == {results["model"]["dtype"]}
     for p in results["points"]:
         assert p["requests"] == max(8, plan["rounds"] * p["concurrency"]) and p["tokens_per_s"] > 0
         assert p["p99_ms"] >= p["p50_ms"] >= p["ttft_p50_ms"] > 0 and 0 < p["roofline_fraction"] < 1
-        if p["workload"] in ("fixed", "sampled"):  # ignore_eos: every request generates exactly fixed_tokens
+        if p["workload"] in ("fixed", "sampled", "structured"):  # every request generates exactly fixed_tokens
             assert p["output_tokens"] == p["requests"] * plan["fixed_tokens"]
         if p["system"] in ("ensemble_http", "openai_http"):
             assert p["server"]["llm"]["requests"] == p["requests"]
     assert results["ensemble_overhead"]["llm_p50_ms"] > 0 and results["startup_s"] > 0
+    assert set(results["grammar_build_ms"]) == {"tokenizer_once", "workload_schema", "nested_schema"}
     assert results["targets"] == [] and results["peers"] == []  # quick mode runs no peer and no c=16
     assert [r["concurrency"] for r in results["openai"]] == list(plan["openai_concurrency"])
     assert all(r["vs_generate_stream"] > 0 and r["guidellm_tokens_per_s"] is None for r in results["openai"])

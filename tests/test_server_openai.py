@@ -217,7 +217,7 @@ def test_a_list_of_prompts_gives_a_choice_each(openai_client, model):
     ({"n": 9}, 400, "n", "less than or equal to 8"),
     ({"some_field": 1}, 400, "some_field", "Extra inputs are not permitted"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling is not supported"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format.type", None),
+    ({"response_format": {"type": "xml"}}, 400, "response_format.type", None),
     ({"logit_bias": {"x": 5}}, 400, "logit_bias", "logit_bias key 'x' is not a token id"),
     ({"logit_bias": {"1": 101}}, 400, "logit_bias", "logit_bias['1'] must be in [-100.0, 100.0], got 101"),
     ({"min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "min_tokens=9 must not exceed max_tokens=4"),

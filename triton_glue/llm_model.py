@@ -127,6 +127,9 @@ class TritonPythonModel:
             self.pending[key] = Pending(sender, generation)
             try:
                 self.loop.submit(generation, key, every_token)
+            except InvalidInput as e:
+                del self.pending[key]
+                sender.send(error_response(e), flags=FINAL)
             except (Overloaded, Stopping) as e:
                 del self.pending[key]
                 sender.send(failure(OVERLOADED + str(e) if isinstance(e, Overloaded) else STOPPING), flags=FINAL)

@@ -1,0 +1,139 @@
+"""Structured outputs: a grammar masks a row's logits before its sampler picks, so the reply is valid by
+construction (a JSON schema, any JSON object, a regex, one of a list of choices, or a Lark grammar).
+
+The library is llguidance (the engine behind vLLM's ``guidance`` backend and llama.cpp's): it has no
+dependencies (one abi3 wheel, where xgrammar pulls OpenAI's ``triton`` compiler and a TVM runtime into a
+CPU install), covers JSON Schema widely, and computes each mask lazily from a token trie (about 50 us a
+token), so a new schema costs milliseconds to build instead of a precomputation that would stall a step.
+It is imported only when a request asks for a grammar: a deployment that never does needs none of it,
+and rows without a grammar pay nothing.
+
+A grammar is built once per distinct request (``Grammars``, a bounded LRU of matchers, each request
+getting a cheap copy) on the thread that submits it, never on the engine thread, and llguidance drops
+the GIL while it builds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from copy import copy
+from typing import Any
+
+import torch
+
+from contract.errors import InvalidInput
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs keys
+CACHED_GRAMMARS = 64
+
+
+def llguidance_grammar(spec: dict[str, Any]) -> str:
+    """llguidance's grammar for ``spec`` (the ``structured_outputs`` field: exactly one of ``KINDS``), or
+    ``InvalidInput`` naming what is wrong. Needs no model."""
+    import llguidance
+
+    kinds = [k for k in KINDS if spec.get(k) not in (None, False)]
+    unknown = sorted(set(spec) - set(KINDS))
+    if unknown:
+        raise InvalidInput(f"structured_outputs has unknown keys {unknown}; it takes one of {list(KINDS)}")
+    if len(kinds) != 1:
+        raise InvalidInput(f"structured_outputs must set exactly one of {list(KINDS)}, got {kinds or 'none'}")
+    kind, value = kinds[0], spec[kinds[0]]
+    if kind == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidInput("structured_outputs.json must be a JSON schema (an object)")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    elif kind == "json_object":
+        if value is not True:
+            raise InvalidInput("structured_outputs.json_object must be true")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+    elif kind == "regex":
+        _text(kind, value)
+        grammar = llguidance.LLMatcher.grammar_from_regex(value)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidInput("structured_outputs.choice must be a non-empty list of non-empty strings")
+        grammar = llguidance.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in value))
+    else:
+        _text(kind, value)
+        grammar = llguidance.LLMatcher.grammar_from_lark(value)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise InvalidInput(f"structured_outputs.{kind} cannot be compiled: {error.strip()}"[:600])
+    return grammar
+
+
+def _text(kind: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"structured_outputs.{kind} must be a non-empty string")
+
+
+class Grammars:
+    """The model's tokenizer as llguidance sees it (built on first use, about a second), and a bounded
+    LRU of compiled grammars; ``matcher`` gives each request its own copy."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]) -> None:
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
+        self._llg = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars built (cache misses), for tests and metrics
+
+    def matcher(self, grammar: str):
+        """A fresh matcher for ``grammar``; ``InvalidInput`` if it cannot serve this tokenizer."""
+        import llguidance
+
+        with self._lock:
+            if self._llg is None:
+                self._llg = llguidance_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+            template = self._cache.get(grammar)
+            if template is not None:
+                self._cache.move_to_end(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self._llg, grammar, log_level=0)  # the GIL is dropped while it builds
+            if template.is_error():
+                raise InvalidInput(f"structured_outputs cannot be compiled for this model: {template.get_error()}"[:600])
+            with self._lock:
+                self.compiled += 1
+                self._cache[grammar] = template
+                while len(self._cache) > CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+        return template.deep_copy()
+
+
+def llguidance_tokenizer(tokenizer, vocab_size: int, eos_ids: list[int]):
+    """The tokenizer as llguidance sees it: each token's bytes. A byte-level BPE (its pre-tokenizer is
+    ``ByteLevel``) maps bytes to printable characters, and its tokens' bytes come back through a
+    ``ByteLevel`` decoder; transformers may wrap that decoder in a sequence llguidance does not read
+    (SmolLM2's: ByteFallback, Fuse, Replace, ByteLevel), and then it would take ``Ċ`` for a letter instead
+    of a newline and let raw control characters into JSON strings. So the decoder it gets is the plain one."""
+    import llguidance
+    from tokenizers import decoders
+
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    if "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+        backend.decoder = decoders.ByteLevel()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_ids[0] if eos_ids else None)
+
+
+def mask(logits: torch.Tensor, matchers: list) -> None:
+    """Each row's disallowed tokens set to -inf in ``logits`` (``[rows, vocabulary]``), from its matcher's
+    bitmask (token t is bit t % 8 of byte t // 8); ``None`` leaves a row as it is."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    vocabulary = logits.shape[1]
+    words = (vocabulary + 31) // 32
+    bits = torch.empty((len(rows), words), dtype=torch.int32)
+    for j, i in enumerate(rows):
+        matchers[i].unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
+    allowed = (bits.view(torch.uint8)[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    allowed = allowed.flatten(1)[:, :vocabulary].to(logits.device, torch.bool)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,108 @@
+"""Structured outputs in the engine: a random model's replies follow the grammar by construction."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from contract.errors import InvalidInput
+from contract.schema import FinishReason
+from llm import LLM, LLMConfig
+from llm.grammar import llguidance_grammar
+from llm.sequence import Sequence
+
+SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["colour", "count", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    """A random two-layer Llama with the real tokenizer's vocabulary: whatever it prefers, the mask decides."""
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return LLM(LLMConfig("unused", compile=False, max_tokens_limit=128, kv_cache_tokens=2048), torch.device("cpu"),
+               model, tokenizer)
+
+
+def run(llm: LLM, requests) -> list[Sequence]:
+    engine = llm.engine()
+    seqs = [Sequence(r) for r in requests]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work:
+        engine.step()
+    return seqs
+
+
+def test_replies_follow_a_json_schema_greedy_and_sampled_beside_free_rows(llm):
+    structured = {"json": SCHEMA}
+    requests = [llm.validate([1, 2, 3], 100, structured_outputs=structured)]
+    requests += [llm.validate([4, 5], 100, structured_outputs=structured, temperature=1.0, seed=s) for s in range(6)]
+    requests += [llm.validate([6, 7], 20)]  # a free row in the same batch
+    seqs = run(llm, requests)
+    for seq in seqs[:-1]:
+        assert seq.finish_reason is FinishReason.STOP, seq.finish_reason
+        jsonschema.validate(json.loads(llm.decode(seq.output_ids)), SCHEMA)
+    assert len({llm.decode(s.output_ids) for s in seqs[1:-1]}) > 1  # sampled rows still sample
+    free = seqs[-1]
+    assert free.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and free.output_ids
+
+
+def test_regex_choice_and_any_json_object(llm):
+    regex, choice, anything = run(llm, [llm.validate([1], 40, structured_outputs={"regex": r"[0-9]{3}-[a-z]{2}"}),
+                                        llm.validate([2], 40, structured_outputs={"choice": ["yes", "no", "maybe"]}),
+                                        llm.validate([3], 120, structured_outputs={"json_object": True})])
+    assert regex.finish_reason is FinishReason.STOP and len(llm.decode(regex.output_ids)) == 6
+    assert llm.decode(choice.output_ids) in ("yes", "no", "maybe")
+    if anything.finish_reason is FinishReason.STOP:
+        assert isinstance(json.loads(llm.decode(anything.output_ids)), dict)
+
+
+def test_a_grammar_is_built_once_per_distinct_request(llm):
+    before = llm.grammars.compiled
+    run(llm, [llm.validate([1], 10, structured_outputs={"regex": "[ab]{4}"}) for _ in range(3)])
+    assert llm.grammars.compiled == before + 1
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({}, "must set exactly one of"),
+    ({"json": SCHEMA, "regex": "a"}, "must set exactly one of"),
+    ({"jsn": {}}, "unknown keys"),
+    ({"regex": "("}, "structured_outputs.regex cannot be compiled"),
+    ({"json": {"type": "string", "pattern": "(?=a)"}}, "structured_outputs.json cannot be compiled"),
+    ({"choice": []}, "non-empty list"),
+    ({"json_object": "yes"}, "json_object must be true"),
+])
+def test_bad_specs_name_the_field(spec, message):
+    with pytest.raises(InvalidInput, match=message):
+        llguidance_grammar(spec)
+
+
+def test_llguidance_reads_the_tokenizers_bytes(model_dir):
+    """Each token's bytes as the model's tokenizer decodes them: a newline token is a newline, not the
+    letter byte-level BPE prints for it, so no raw control character gets into a JSON string."""
+    import numpy as np
+
+    from llm.grammar import Grammars, llguidance_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = 'line one\n\ttab "quoted" 中文 🙂'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert llguidance_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).decode_bytes(ids) == text.encode()
+    matcher = Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id}).matcher(llguidance_grammar(
+        {"json": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}))
+    for token in tokenizer.encode('{"a":"', add_special_tokens=False):
+        assert matcher.consume_token(token)
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:len(tokenizer)]
+    controls = [i for i in np.nonzero(allowed)[0] if any(ord(c) < 32 for c in tokenizer.decode([int(i)]))]
+    assert allowed.sum() > 1000 and controls == []
