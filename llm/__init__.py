@@ -147,6 +147,7 @@ class LLM:
                            f"{', capturing the decode shapes as CUDA graphs' if self.device.type == 'cuda' else ''}")
         runner = ModelRunner(self.decoder, table, self.device, c.compile, shapes,
                              progress.status if progress is not None else lambda text: None)
+        self.grammars.prepare()
         return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars)
 
     def decode(self, ids: list[int]) -> str:
