@@ -33,7 +33,7 @@ import aiohttp
 import torch
 import tritonclient.grpc.aio as grpcaio
 
-from bench import guidellm, load, peers, perf_analyzer, report, roofline, workload
+from bench import guidellm, load, peers, perf_analyzer, report, roofline, stall, workload
 from bench.static_llm import StaticGenerator
 from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                                            plan.baseline_concurrency))
         points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sampled, plan, plan.sampled_concurrency))
         points += asyncio.run(sweep_triton("ensemble_http", dtype, server, structured, plan, plan.structured_concurrency))
+        streams = max(plan.structured_concurrency)
+        grammar_stall = stall.measure(server.url, workload.fixed(streams, 4 * plan.fixed_tokens, seed=3))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
         frontend = OpenAIFrontend(server, model_dir.name, log_path=out / "openai.log", port=free_port()).start()
         try:
@@ -359,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": peer_notes,
         "ensemble_overhead": overhead,
         "grammar_build_ms": grammar_build,
+        "grammar_stall": grammar_stall,
         "startup_s": startup,
         "compile_cache_warm": cache_warm,
         "perf_analyzer_cross_check": cross_check,

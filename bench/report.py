@@ -157,6 +157,11 @@ def markdown(results: dict) -> str:
               f"{'loaded from the cache' if results['compile_cache_warm'] else 'compiled on this start'}).",
               "", "Building a new grammar (structured outputs, on the submitting thread, never the engine's): "
               + ", ".join(f"{name.replace('_', ' ')} {ms:.1f} ms" for name, ms in results["grammar_build_ms"].items()) + "."]
+    g = results["grammar_stall"]
+    lines += ["", f"Grammar builds beside decoding rows ({g['streams']} free streams, a constrained request every "
+              f"{g['every_s']:g} s): the free rows' inter-token p99 {g['cached_p99_ms']:.0f} ms with a cached schema, "
+              f"{g['fresh_p99_ms']:.0f} ms with a fresh one each time ({g['fresh_schemas']} built): "
+              f"{g['p99_ratio']:.2f}x (goal: at most 1.5x)."]
     x = results.get("perf_analyzer_cross_check")
     if x:
         pa = x["perf_analyzer"]

@@ -119,6 +119,8 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
             assert p["server"]["llm"]["requests"] == p["requests"]
     assert results["ensemble_overhead"]["llm_p50_ms"] > 0 and results["startup_s"] > 0
     assert set(results["grammar_build_ms"]) == {"tokenizer_once", "workload_schema", "nested_schema"}
+    stall = results["grammar_stall"]
+    assert stall["fresh_schemas"] >= 1 and stall["cached_p99_ms"] > 0 and stall["p99_ratio"] > 0
     assert results["targets"] == [] and results["peers"] == []  # quick mode runs no peer and no c=16
     assert [r["concurrency"] for r in results["openai"]] == list(plan["openai_concurrency"])
     assert all(r["vs_generate_stream"] > 0 and r["guidellm_tokens_per_s"] is None for r in results["openai"])

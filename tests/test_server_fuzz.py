@@ -132,7 +132,12 @@ CHAT = st.fixed_dictionaries(
         "stream": st.one_of(st.booleans(), JUNK), "stream_options": st.one_of(st.just({"include_usage": True}), JUNK),
         "logprobs": st.one_of(st.booleans(), JUNK), "top_logprobs": st.one_of(st.integers(-1, 7), JUNK),
         "max_completion_tokens": MAX_TOKENS, "ignore_eos": st.one_of(st.booleans(), JUNK),
-        "tools": JUNK, "response_format": st.one_of(st.just({"type": "text"}), JUNK),
+        "tools": JUNK, "response_format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), st.fixed_dictionaries(
+            {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": st.one_of(
+                st.just({"type": "object", "properties": {"a": {"type": "integer"}}}), st.dictionaries(TEXT, JUNK, max_size=3))})}),
+            JUNK),
+        "structured_outputs": st.one_of(st.fixed_dictionaries({"regex": TEXT}), st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=3)}),
+                                        st.dictionaries(st.sampled_from(["json", "json_object", "regex", "choice", "grammar", "x"]), JUNK, max_size=2), JUNK),
         "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 60000).map(str), TEXT), NUMBER, max_size=4), JUNK),
         "min_p": NUMBER, "min_tokens": st.one_of(st.integers(-2, 600), JUNK),
         "stop_token_ids": st.one_of(st.lists(st.integers(-5, 60000), max_size=4), JUNK),

@@ -106,3 +106,8 @@ def test_llguidance_reads_the_tokenizers_bytes(model_dir):
     allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:len(tokenizer)]
     controls = [i for i in np.nonzero(allowed)[0] if any(ord(c) < 32 for c in tokenizer.decode([int(i)]))]
     assert allowed.sum() > 1000 and controls == []
+
+
+def test_a_grammar_no_reply_can_follow_is_refused(llm):
+    with pytest.raises(InvalidInput, match="admits no reply"):
+        llm.grammars.matcher(llguidance_grammar({"regex": "[^\\s\\S]"}))
