@@ -115,8 +115,10 @@ class Grammars:
             template = llguidance.LLMatcher(self._llg, grammar, log_level=0)  # the GIL is dropped while it builds
             if template.is_error():
                 raise InvalidInput(f"structured_outputs cannot be compiled for this model: {template.get_error()}"[:600])
-            if not any(template.compute_bitmask()):  # no token may start a reply: nothing could ever be generated
-                raise InvalidInput("structured_outputs admits no reply this model's tokens can spell")
+            template.compute_bitmask()  # a grammar no reply can follow shows only now: its matcher errs
+            if template.is_error():
+                raise InvalidInput(f"structured_outputs admits no reply this model's tokens can spell: "
+                                   f"{template.get_error()}"[:600])
             with self._lock:
                 self.compiled += 1
                 self._cache[grammar] = template
