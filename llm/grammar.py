@@ -15,6 +15,7 @@ the GIL while it builds.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -88,6 +89,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._llg = None
+        self._unusable: str | None = None  # why the tokenizer could not be converted, if it could not
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0  # grammars built (cache misses), for tests and metrics
@@ -95,18 +97,21 @@ class Grammars:
     def prepare(self) -> None:
         """Convert the tokenizer for llguidance now (about 0.3 s, at load), not under the first constrained
         request; without llguidance installed, nothing (constrained requests are refused, saying why)."""
-        try:
-            import llguidance  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("llguidance") is None:
             return
         with self._lock:
-            if self._llg is None:
-                self._llg = llguidance_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+            if self._llg is None and self._unusable is None:
+                try:
+                    self._llg = llguidance_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+                except Exception as e:  # a tokenizer llguidance cannot read (not a fast one) must not fail the load
+                    self._unusable = f"{type(e).__name__}: {e}"
 
     def matcher(self, grammar: str):
         """A fresh matcher for ``grammar``; ``InvalidInput`` if it cannot serve this tokenizer."""
         llguidance = _llguidance()
         self.prepare()
+        if self._llg is None:
+            raise InvalidInput(f"structured_outputs cannot be served with this model's tokenizer ({self._unusable})"[:600])
         with self._lock:
             template = self._cache.get(grammar)
             if template is not None:
