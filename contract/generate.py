@@ -76,11 +76,10 @@ def _steps() -> list[str]:
     names = lambda tensors: [(f.name, f.name) for f, _, _ in tensors]  # noqa: E731
     pre_in, pre_out = MODELS["preprocess"][:2]
     llm_in = MODELS["llm"][0]
-    llm_out = [(f.name, internal_name(f)) for f in LLM_OUTPUTS]
-    post_in = [(f.name, internal_name(f)) for f in LLM_OUTPUTS]
+    handed_on = [(f.name, internal_name(f)) for f in LLM_OUTPUTS]  # llm's outputs are postprocess's inputs
     first = step("preprocess", names(pre_in), names(pre_out))
-    second = step("llm", names(llm_in), llm_out)
-    third = step("postprocess", post_in, names(MODELS["postprocess"][1]))
+    second = step("llm", names(llm_in), handed_on)
+    third = step("postprocess", handed_on, names(MODELS["postprocess"][1]))
     return ["ensemble_scheduling {", "  step [", *first[:-1], "    },", *second[:-1], "    },", *third, "  ]", "}"]
 
 

@@ -109,7 +109,8 @@ class Grammars:
     def matcher(self, grammar: str):
         """A fresh matcher for ``grammar``; ``InvalidInput`` if it cannot serve this tokenizer."""
         llguidance = _llguidance()
-        self.prepare()
+        if self._llg is None:
+            self.prepare()
         if self._llg is None:
             raise InvalidInput(f"structured_outputs cannot be served with this model's tokenizer ({self._unusable})"[:600])
         with self._lock:

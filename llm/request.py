@@ -75,8 +75,7 @@ class Limits:
 
 
 def _scalar(name: str, value: Any, limits: Limits) -> Any:
-    """A field's value as its Python type (a list or a JSON object's pairs as a tuple), checked against
-    its range, or its default."""
+    """A field's value as its Python type (a list as a tuple), checked against its range, or its default."""
     field = FIELDS[name]
     if value is not None:
         if field.json is not None:
@@ -89,8 +88,6 @@ def _scalar(name: str, value: Any, limits: Limits) -> Any:
             value = PYTHON_TYPES[field.data_type](value)
     value = field.check(value, {"vocab_size": limits.vocab_size, "max_token_id": limits.vocab_size - 1,
                                 "max_tokens_limit": limits.max_tokens_limit})
-    if isinstance(value, dict):
-        return tuple(sorted((_token_id(name, key, limits), float(bias)) for key, bias in value.items()))
     return tuple(value) if isinstance(value, list) else value
 
 
@@ -130,8 +127,11 @@ def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None
             f"({limits.fingerprint!r}): preprocess's tokenizer must share the model's vocabulary"
         )
     max_tokens = limits.default_max_tokens if max_tokens is None else _scalar("max_tokens", max_tokens, limits)
-    sampling = SamplingParams(**{name: value for name in SAMPLING
-                                 if (value := _scalar(name, values.get(name), limits)) is not None})
+    sampling = {name: _scalar(name, values.get(name), limits) for name in SAMPLING}
+    if sampling["logit_bias"] is not None:  # {"token id": bias} as (id, bias) pairs
+        sampling["logit_bias"] = tuple(sorted((_token_id("logit_bias", key, limits), float(bias))
+                                              for key, bias in sampling["logit_bias"].items()))
+    sampling = SamplingParams(**{name: value for name, value in sampling.items() if value is not None})
     if sampling.min_tokens > max_tokens:
         raise InvalidInput(f"min_tokens={sampling.min_tokens} must not exceed max_tokens={max_tokens}")
     top_logprobs = _scalar("top_logprobs", values.get("top_logprobs"), limits)
@@ -155,17 +155,12 @@ def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None
     return GenerationRequest(list(input_ids), max_tokens, sampling, _stop(stop or [], limits),
                              _scalar("ignore_eos", values.get("ignore_eos"), limits),
                              top_logprobs if logprobs else None, prompt_logprobs,
-                             _grammar(values.get("structured_outputs")))
+                             _grammar(_scalar("structured_outputs", values.get("structured_outputs"), limits)))
 
 
-def _grammar(raw: Any) -> str | None:
+def _grammar(spec: dict | None) -> str | None:
     """The grammar a ``structured_outputs`` object asks for (``llm/grammar.py``), or None."""
-    if raw is None:
-        return None
-    spec = _json("structured_outputs", raw)
-    if not isinstance(spec, dict):
-        raise InvalidInput(f"structured_outputs must be a JSON object, got {spec!r}"[:200])
-    return llguidance_grammar(spec)
+    return None if spec is None else llguidance_grammar(spec)
 
 
 def _stop(stop: list[bytes], limits: Limits) -> tuple[str, ...]:

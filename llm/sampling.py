@@ -78,8 +78,8 @@ def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: lis
     width = min(CANDIDATES, vocabulary)
     values, order = scaled.topk(width, -1)  # most likely first
     k = torch.tensor([k if 0 < k < vocabulary else vocabulary for k in top_k], device=device)[:, None]
-    p = _column(top_p, scaled)
-    floor = values[:, :1] + _column(min_p, scaled).log()  # min_p 0: -inf, no floor
+    p, m = _column(top_p, scaled), _column(min_p, scaled)
+    floor = values[:, :1] + m.log()  # min_p 0: -inf, no floor
     # The tokens kept lie among the candidates (the top-k does, or the min-p floor falls among them): their
     # distribution is the candidates', renormalized.
     within = (k <= width) | (values[:, -1:] < floor)
@@ -88,8 +88,7 @@ def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: lis
                         (values - scaled.logsumexp(-1, keepdim=True)).exp())
     reach = probs.cumsum(-1)
     drop |= (p < 1.0) & (reach - probs >= p)
-    no_floor = _column(min_p, scaled) == 0.0
-    exact = (within | ((p < 1.0) & (reach[:, -1:] >= p) & no_floor))[:, 0].tolist()
+    exact = (within | ((p < 1.0) & (reach[:, -1:] >= p) & (m == 0.0)))[:, 0].tolist()
     tokens = torch.empty(len(top_k), dtype=torch.long, device=device)
     near = [i for i, e in enumerate(exact) if e]
     if near:

@@ -80,9 +80,7 @@ class _Ticket:
     key: Hashable
     seq: Sequence
     every_token: bool
-    given: int = 0  # output ids in updates so far
-    sent_first: bool = False
-    done: bool = False
+    given: int = 0  # output ids in updates so far (every update but a final one carries at least one)
 
 
 class EngineLoop:
@@ -243,7 +241,7 @@ class EngineLoop:
                 if update.finish_reason is None:  # end it; a final update that failed has nothing left to say
                     self.engine.cancel(seq)
                     continue
-            ticket.given, ticket.sent_first = update.completion_tokens, True
+            ticket.given = update.completion_tokens
             if update.finish_reason is not None:
                 self._forget(seq)
 
@@ -258,7 +256,7 @@ def _update(ticket: _Ticket) -> Update | None:
     seq = ticket.seq
     finished = seq.finished  # read before the ids: a finished sequence's ids are all there
     reason = seq.finish_reason if finished else None
-    first = not ticket.sent_first
+    first = ticket.given == 0
     if finished and reason.failed and first:  # nothing to carry but the error (it may never have been admitted)
         return Update(ticket.key, [], 0, len(seq.output_ids), True, reason, seq.error)
     count = len(seq.output_ids)
