@@ -43,7 +43,7 @@ from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
 from launcher.triton import TritonServer
 from llm import LLM, LLMConfig, load_model
-from llm.grammar import llguidance_grammar
+from contract.grammar import llguidance_grammar
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 
 log = logging.getLogger("bench")
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sampled = {"sampled": workload.sampled(len(sets["fixed"]), plan.fixed_tokens, seed=1)}  # our pipeline only
     structured = {"structured": workload.structured(len(sets["fixed"]), plan.fixed_tokens, seed=1)}
     preprocessor = Preprocessor(PreprocessConfig(str(model_dir)))
-    ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode()))
+    ids = {i.text_input: preprocessor.encode(PromptRequest(i.text_input.encode())).input_ids
            for items in sets.values() for i in items}
     contexts = {name: sum(len(ids[i.text_input]) + i.max_tokens / 2 for i in items) / len(items)
                 for name, items in (sets | sampled | structured).items()}

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from contract.schema import LLM_OUTPUTS, PREPROCESS_OUTPUTS, REQUEST, RESPONSE, Field, request_fields
+from contract.schema import LLM_OUTPUTS, PREPROCESS_OUTPUTS, REQUEST, RESPONSE, Field, llm_fields, request_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = ROOT / "ensemble_repo"
@@ -30,14 +30,14 @@ def _outputs(fields: tuple[Field, ...]) -> list[Tensor]:
     return [(f, False, False) for f in fields]
 
 
-input_ids, fingerprint = PREPROCESS_OUTPUTS
+input_ids, fingerprint, _ = PREPROCESS_OUTPUTS
 # model: its inputs, its outputs, and whether the help text goes beside them (the public interface,
 # documented in ensemble's config, and what each model hands the next)
 MODELS: dict[str, tuple[list[Tensor], list[Tensor], tuple[bool, bool]]] = {
     "ensemble": (_inputs(REQUEST, ragged=False), _outputs(RESPONSE), (True, True)),
     "ensemble_infer": (_inputs(tuple(f for f in REQUEST if f.name != "stream")), _outputs(RESPONSE), (False, False)),
     "preprocess": (_inputs(request_fields("preprocess")), _outputs(PREPROCESS_OUTPUTS), (False, True)),
-    "llm": ([(input_ids, False, True), *_inputs(request_fields("llm")), (fingerprint, True, False)],
+    "llm": ([(input_ids, False, True), *_inputs(llm_fields()), (fingerprint, True, False)],
             _outputs(LLM_OUTPUTS), (False, True)),
     "postprocess": ([(f, f.optional, f.ragged) for f in LLM_OUTPUTS], _outputs(RESPONSE), (False, False)),
 }
@@ -60,11 +60,12 @@ def _section(kind: str, tensors: list[Tensor], helped: bool) -> list[str]:
     return lines + ["]"]
 
 
-def internal_name(f: Field) -> str:
-    """The ensemble's name for an llm output: prefixed where the name also means a request field, a
-    response field or what preprocess gives (one name per tensor inside the ensemble)."""
-    public = {g.name for g in REQUEST + RESPONSE + PREPROCESS_OUTPUTS}
-    return f"llm_{f.name}" if f.name in public else f.name
+def internal_name(f: Field, model: str) -> str:
+    """The ensemble's name for what ``model`` hands the next step: prefixed with the model where the name
+    also means a request field, a response field or (for llm's) what preprocess gives (one name per
+    tensor inside the ensemble)."""
+    public = {g.name for g in REQUEST + RESPONSE + (PREPROCESS_OUTPUTS if model == "llm" else ())}
+    return f"{model}_{f.name}" if f.name in public else f.name
 
 
 def _steps() -> list[str]:
@@ -73,13 +74,12 @@ def _steps() -> list[str]:
                 *(f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs),
                 *(f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs), "    }"]
 
-    names = lambda tensors: [(f.name, f.name) for f, _, _ in tensors]  # noqa: E731
     pre_in, pre_out = MODELS["preprocess"][:2]
-    llm_in = MODELS["llm"][0]
-    handed_on = [(f.name, internal_name(f)) for f in LLM_OUTPUTS]  # llm's outputs are postprocess's inputs
-    first = step("preprocess", names(pre_in), names(pre_out))
-    second = step("llm", names(llm_in), handed_on)
-    third = step("postprocess", handed_on, names(MODELS["postprocess"][1]))
+    prepared = {f.name: internal_name(f, "preprocess") for f, _, _ in pre_out}  # preprocess's outputs, llm's inputs
+    handed_on = [(f.name, internal_name(f, "llm")) for f in LLM_OUTPUTS]  # llm's outputs are postprocess's inputs
+    first = step("preprocess", [(f.name, f.name) for f, _, _ in pre_in], list(prepared.items()))
+    second = step("llm", [(f.name, prepared.get(f.name, f.name)) for f, _, _ in MODELS["llm"][0]], handed_on)
+    third = step("postprocess", handed_on, [(f.name, f.name) for f, _, _ in MODELS["postprocess"][1]])
     return ["ensemble_scheduling {", "  step [", *first[:-1], "    },", *second[:-1], "    },", *third, "  ]", "}"]
 
 

@@ -150,9 +150,18 @@ REQUEST = (
     Field("logit_bias", "TYPE_STRING", to=LLM, json=dict[str, float], low=-100.0, high=100.0, count=LOGIT_BIAS_LIMIT,
           openai=True, help='JSON object {"token id": bias}, added to those tokens\' logits before the choice '
           "(greedy too), as OpenAI's: -100 bans a token, 100 forces it"),
-    Field("structured_outputs", "TYPE_STRING", to=LLM, json=dict, openai=True, help='JSON object, vLLM\'s: '
+    Field("structured_outputs", "TYPE_STRING", to=PRE, json=dict, openai=True, help='JSON object, vLLM\'s: '
           'exactly one of {"json": a JSON schema}, {"json_object": true}, {"regex": "..."}, {"choice": ["a", "b"]}, '
           '{"grammar": "a Lark grammar"}; the reply is valid by construction (cut off by max_tokens, it ends with length)'),
+    Field("tools", "TYPE_STRING", to=PRE, json=list[dict], help='JSON list of OpenAI\'s function tools, '
+          '[{"type": "function", "function": {"name", "description", "parameters": a JSON schema}}, ...], at most 128: '
+          "shown to the model (through the chat template where it renders tools, else described in a system message); "
+          "its calls come back in text_output in the template's syntax (contract/tools.py, docs/api.md)"),
+    Field("tool_choice", "TYPE_STRING", to=PRE, help="with tools: auto (the default: the model decides), none (no "
+          "calls; the tools are not shown), required (at least one call), or the name of the one tool to call; "
+          "required and a name are enforced by a grammar"),
+    Field("parallel_tool_calls", "TYPE_BOOL", to=PRE, default=True,
+          help="with tools: false allows at most one call per reply"),
     Field("ignore_eos", "TYPE_BOOL", to=LLM, default=False, openai=True,
           help="true generates exactly max_tokens tokens, past the end-of-turn token (benchmarks and load tests)"),
     Field("stream", "TYPE_BOOL", to=LLM, default=False,
@@ -185,6 +194,8 @@ PREPROCESS_OUTPUTS = (
     Field("input_ids", "TYPE_INT32", (-1,), optional=False, ragged=True, help="the prompt's token ids"),
     Field("tokenizer_fingerprint", "TYPE_STRING", optional=False, help="a hash of the vocabulary: llm and "
           "postprocess refuse ids from a tokenizer they do not share"),
+    Field("structured_outputs", "TYPE_STRING", json=dict, optional=False, help="what the reply must follow, as the "
+          "request field: the request's own, or the grammar of the tool calls it asks for; JSON null when free"),
 )
 
 # llm -> postprocess. ``optional``: postprocess may go without it.
@@ -216,6 +227,12 @@ LLM_OUTPUTS = (
 def request_fields(model: str) -> tuple[Field, ...]:
     """The request fields ``model`` reads, in declaration order."""
     return tuple(f for f in REQUEST if model in f.to)
+
+
+def llm_fields() -> tuple[Field, ...]:
+    """What llm reads besides the prompt's ids and the fingerprint: its request fields, and from
+    preprocess the structured outputs (the request's, or the tool calls' grammar)."""
+    return request_fields("llm") + PREPROCESS_OUTPUTS[2:]
 
 
 class FinishReason(str, Enum):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import threading
 from collections import OrderedDict
 from copy import copy
@@ -26,60 +25,9 @@ from typing import Any
 import torch
 
 from contract.errors import InvalidInput
+from contract.grammar import llguidance_module
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs keys
 CACHED_GRAMMARS = 64
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise InvalidInput("structured_outputs needs the llguidance package, which this server lacks "
-                           "(requirements-models.txt)") from None
-    return llguidance
-
-
-def llguidance_grammar(spec: dict[str, Any]) -> str:
-    """llguidance's grammar for ``spec`` (the ``structured_outputs`` field: exactly one of ``KINDS``), or
-    ``InvalidInput`` naming what is wrong. Needs no model."""
-    llguidance = _llguidance()
-
-    kinds = [k for k in KINDS if spec.get(k) not in (None, False)]
-    unknown = sorted(set(spec) - set(KINDS))
-    if unknown:
-        raise InvalidInput(f"structured_outputs has unknown keys {unknown}; it takes one of {list(KINDS)}")
-    if len(kinds) != 1:
-        raise InvalidInput(f"structured_outputs must set exactly one of {list(KINDS)}, got {kinds or 'none'}")
-    kind, value = kinds[0], spec[kinds[0]]
-    if kind == "json":
-        schema = json.loads(value) if isinstance(value, str) else value
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidInput("structured_outputs.json must be a JSON schema (an object)")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    elif kind == "json_object":
-        if value is not True:
-            raise InvalidInput("structured_outputs.json_object must be true")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
-    elif kind == "regex":
-        _text(kind, value)
-        grammar = llguidance.LLMatcher.grammar_from_regex(value)
-    elif kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise InvalidInput("structured_outputs.choice must be a non-empty list of non-empty strings")
-        grammar = llguidance.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in value))
-    else:
-        _text(kind, value)
-        grammar = llguidance.LLMatcher.grammar_from_lark(value)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error and not error.startswith("WARNING"):
-        raise InvalidInput(f"structured_outputs.{kind} cannot be compiled: {error.strip()}"[:600])
-    return grammar
-
-
-def _text(kind: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise InvalidInput(f"structured_outputs.{kind} must be a non-empty string")
 
 
 class Grammars:
@@ -108,7 +56,7 @@ class Grammars:
 
     def matcher(self, grammar: str):
         """A fresh matcher for ``grammar``; ``InvalidInput`` if it cannot serve this tokenizer."""
-        llguidance = _llguidance()
+        llguidance = llguidance_module()
         if self._llg is None:
             self.prepare()
         if self._llg is None:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any, get_origin
 
 from contract.errors import InvalidInput, decode_utf8
-from contract.schema import PYTHON_TYPES, request_fields
-from llm.grammar import llguidance_grammar
+from contract.schema import PYTHON_TYPES, llm_fields
+from contract.grammar import llguidance_grammar
 
-FIELDS = {f.name: f for f in request_fields("llm")}
+FIELDS = {f.name: f for f in llm_fields()}
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,14 @@ class Limits:
 def _scalar(name: str, value: Any, limits: Limits) -> Any:
     """A field's value as its Python type (a list as a tuple), checked against its range, or its default."""
     field = FIELDS[name]
-    if value is not None:
-        if field.json is not None:
-            value = _json(name, value)
-            if not isinstance(value, get_origin(field.json) or field.json):
-                raise InvalidInput(f"{name} must be a JSON {'object' if get_origin(field.json) is dict else 'list'}, got {value!r}"[:200])
-        elif field.dims == (-1,):
-            value = [PYTHON_TYPES[field.data_type](v) for v in value]
-        else:
-            value = PYTHON_TYPES[field.data_type](value)
+    if value is not None and field.json is not None:
+        value = _json(name, value)  # JSON null is absent, as in OpenAI's API
+        if value is not None and not isinstance(value, get_origin(field.json) or field.json):
+            raise InvalidInput(f"{name} must be a JSON {'object' if get_origin(field.json) is dict else 'list'}, got {value!r}"[:200])
+    elif value is not None and field.dims == (-1,):
+        value = [PYTHON_TYPES[field.data_type](v) for v in value]
+    elif value is not None:
+        value = PYTHON_TYPES[field.data_type](value)
     value = field.check(value, {"vocab_size": limits.vocab_size, "max_token_id": limits.vocab_size - 1,
                                 "max_tokens_limit": limits.max_tokens_limit})
     return tuple(value) if isinstance(value, list) else value

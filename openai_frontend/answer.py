@@ -171,8 +171,8 @@ async def _events(generations: Generations, reply: Reply, early: list[tuple[int,
         pending = early
         while True:
             for index, piece in pending:
-                if index not in begun or piece.text_output or piece.finish_reason or piece.token_logprobs:
-                    data = reply.chunk(index, piece, index not in begun)
+                data = reply.chunk(index, piece, index not in begun)
+                if data is not None:
                     if reply.body.continuous_usage:
                         data["usage"] = generations.usage().model_dump()
                     yield _sse(data)

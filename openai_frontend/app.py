@@ -215,10 +215,10 @@ def _serve_generations(app: FastAPI, settings: Settings, triton: Triton, metrics
         deadline = Deadline(request, settings.request_timeout)
         body = await _parse(request, ChatCompletionRequest, settings)
         base = {"messages": body.conversation(), "logprobs": body.logprobs or None, "top_logprobs": body.top_logprobs,
-                "structured_outputs": body.structured()}
+                "structured_outputs": body.structured(), **body.tool_fields()}
         names = {**SAMPLING_NAMES, "text_input": "messages", "prompt": "messages", "messages": "messages",
                  "max_tokens": body.budget_name, "logprobs": "logprobs", "top_logprobs": "top_logprobs",
-                 "structured_outputs": body.structured_name}
+                 "structured_outputs": body.structured_name, "tools": "tools", "tool_choice": "tool_choice"}
         generations = Generations(triton, [_pipeline_prompts(body, base, body.n)], request, deadline, drain, names)
         return await answer(generations, ChatReply(body, settings.model_name), metrics, "/v1/chat/completions")
 

@@ -6,9 +6,10 @@ import time
 import uuid
 
 from client import Chunk
+from contract.tools import ToolCallParser
 from openai_frontend.schemas import (
-    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs, ChatMessage, Completion,
-    CompletionChoice, CompletionLogprobs, CompletionRequest, GenerationFields, Usage,
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
+    ChatMessage, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, GenerationFields, Usage,
 )
 
 
@@ -21,7 +22,8 @@ class Reply:
 
     prefix = ""
 
-    def chunk(self, index: int, piece: Chunk, first: bool) -> dict: ...
+    def chunk(self, index: int, piece: Chunk, first: bool) -> dict | None:
+        """The chunk a piece makes, or None when it shows nothing yet."""
 
     def whole(self, choices: list[tuple[str, str, list[dict] | None]], usage: Usage) -> dict: ...
 
@@ -30,23 +32,48 @@ class Reply:
 class ChatReply(Reply):
     prefix = "chatcmpl"
 
+    def __init__(self, body: ChatCompletionRequest, model: str) -> None:
+        super().__init__(body, model)
+        self.parsers: dict[int, ToolCallParser] = {}  # each choice's, when the reply may call tools
+
     def _logprobs(self, items: list[dict] | None) -> ChatLogprobs | None:
         return ChatLogprobs(content=items or []) if self.body.logprobs else None
 
-    def chunk(self, index: int, piece: Chunk, first: bool) -> dict:
-        delta = ChatDelta(role="assistant" if first else None, content=piece.text_output)
+    def _read(self, index: int, text: str, finish_reason: str) -> tuple[str, list[dict], str]:
+        """The new content and call fragments of choice ``index``, and its finish reason (``tool_calls``
+        for a reply that called tools and ended by itself)."""
+        if not self.body.calls_tools:
+            return text, [], finish_reason
+        parser = self.parsers.setdefault(index, ToolCallParser())
+        content, calls = parser.feed(text, final=bool(finish_reason))
+        return content, calls, "tool_calls" if finish_reason == "stop" and parser.parsed.calls else finish_reason
+
+    def chunk(self, index: int, piece: Chunk, first: bool) -> dict | None:
+        content, calls, reason = self._read(index, piece.text_output, piece.finish_reason)
+        if not (first or content or calls or reason or piece.token_logprobs):
+            return None  # text held back: it may be the start of a tool call
+        delta = ChatDelta(role="assistant" if first else None, content=content if content or first else None,
+                          tool_calls=calls or None)
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.token_logprobs),
-                                 finish_reason=piece.finish_reason or None)
+                                 finish_reason=reason or None)
         data = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
             exclude=None if self.body.include_usage else {"usage"})
         data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # OpenAI leaves out what a delta lacks
         return data
 
     def whole(self, choices, usage):
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            ChatChoice(index=i, message=ChatMessage(content=text), logprobs=self._logprobs(items), finish_reason=reason)
-            for i, (text, reason, items) in enumerate(choices)
-        ]).model_dump()
+        data = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
+            self._choice(i, text, reason, items) for i, (text, reason, items) in enumerate(choices)]).model_dump()
+        for choice in data["choices"]:
+            if choice["message"]["tool_calls"] is None:
+                del choice["message"]["tool_calls"]  # OpenAI sends it only when there are calls
+        return data
+
+    def _choice(self, index: int, text: str, reason: str, items: list[dict] | None) -> ChatChoice:
+        content, _, reason = self._read(index, text, reason)
+        calls = self.parsers[index].calls if index in self.parsers else []
+        message = ChatMessage(content=None if calls and not content else content, tool_calls=calls or None)
+        return ChatChoice(index=index, message=message, logprobs=self._logprobs(items), finish_reason=reason)
 
     def usage_chunk(self, usage):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump()

@@ -26,11 +26,8 @@ def _absent(value: object) -> bool:
 # OpenAI fields this server does not implement: which of their values mean "off" (accepted, then
 # dropped, as OpenAI's own defaults must be), and why any other value is refused.
 UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
-    "tools": (_absent, "tool calling is not supported by this server"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported by this server"),
-    "functions": (_absent, "function calling is not supported by this server"),
-    "function_call": (lambda v: v is None or v == "none", "function calling is not supported by this server"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),  # moot without tools
+    "functions": (_absent, "the deprecated functions field is not supported by this server; use tools"),
+    "function_call": (lambda v: v is None or v == "none", "the deprecated function_call field is not supported by this server; use tool_choice"),
     "audio": (_absent, "audio output is not supported by this server"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported by this server"),
     "prediction": (_absent, "predicted outputs are not supported by this server"),
@@ -82,12 +79,61 @@ class ContentPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+    index: int | None = Field(None, exclude=True)  # what a streamed call carries; taken back, and ignored
+
+
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn answers this call
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def pipeline(self) -> dict:
+        """The message as preprocess takes it (``developer`` is OpenAI's newer name for ``system``)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # the arguments always follow the parameters here, strict or not
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def pipeline(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(Strict):
@@ -156,9 +202,19 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id is None:
+                raise FieldError(f"messages.{i}.tool_call_id", f"messages.{i}.tool_call_id is required in a tool message")
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise FieldError(f"messages.{i}.content", f"messages.{i}.content is required unless an assistant message has tool_calls")
+            if message.tool_calls and message.role != "assistant":
+                raise FieldError(f"messages.{i}.tool_calls", f"messages.{i}.tool_calls is only allowed in an assistant message")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one of them")
         if self.top_logprobs is not None and not self.logprobs:
@@ -188,8 +244,18 @@ class ChatCompletionRequest(GenerationFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict]:
-        """The messages as the chat template takes them (``developer`` is OpenAI's newer name for ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.pipeline() for m in self.messages]
+
+    def tool_fields(self) -> dict:
+        """The pipeline's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (a named choice by its name)."""
+        choice = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return {"tools": [t.pipeline() for t in self.tools] if self.tools else None, "tool_choice": choice,
+                "parallel_tool_calls": self.parallel_tool_calls}
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply may hold tool calls (and so is parsed for them)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(GenerationFields):
@@ -241,7 +307,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -268,6 +335,7 @@ class ChatCompletion(ObjectHeader):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # fragments: contract/tools.py's ToolCallParser
 
 
 class ChatChunkChoice(BaseModel):

@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from contract.errors import InvalidInput, decode_utf8
 from contract.tokenizer import load_tokenizer, vocab_fingerprint
+from preprocess.tools import TemplateTools, conversation, structured_outputs, tool_request
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,24 @@ class PromptRequest:
     system_prompt: bytes | None = None
     apply_chat_template: bool = True
     messages: bytes | None = None  # a whole conversation, JSON: [{"role": ..., "content": ...}, ...]
+    structured_outputs: bytes | None = None  # passed on to llm (which checks it) unless tools take its place
+    tools: bytes | None = None
+    tool_choice: bytes | None = None
+    parallel_tool_calls: bool = True
 
 
-ROLES = ("system", "user", "assistant")
+@dataclass(frozen=True)
+class Prepared:
+    """What llm gets: the prompt's ids, and what its reply must follow (JSON text; ``null`` when free)."""
+
+    input_ids: list[int]
+    structured_outputs: bytes = b"null"
+
+
+ROLES = ("system", "user", "assistant", "tool")
+KEYS = {"system": {"content"}, "user": {"content"}, "assistant": {"content", "tool_calls"}, "tool": {"content", "tool_call_id"}}
+SHAPES = {"system": "role and content", "user": "role and content", "assistant": "role and content (and tool_calls)",
+          "tool": "role, content and tool_call_id"}
 
 
 class Preprocessor:
@@ -41,6 +57,7 @@ class Preprocessor:
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer_dir)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
+        self.template_tools = TemplateTools.of(self.tokenizer)
 
     def _text(self, field: str, raw: bytes, allow_empty: bool) -> str:
         limit = self.config.max_input_bytes
@@ -51,34 +68,49 @@ class Preprocessor:
             raise InvalidInput(f"{field} must not be empty")
         return text
 
-    def encode(self, request: PromptRequest) -> list[int]:
+    def encode(self, request: PromptRequest) -> Prepared:
         """Token ids for the model: a conversation (``messages``), a chat turn (user message, optional
-        system prompt) or the raw text."""
+        system prompt) or the raw text; with tools, the grammar their calls follow."""
+        tools = tool_request(None if request.tools is None else self._text("tools", request.tools, allow_empty=False),
+                             None if request.tool_choice is None else decode_utf8("tool_choice", request.tool_choice),
+                             request.parallel_tool_calls)
+        if tools.active and request.structured_outputs is not None:
+            raise InvalidInput(f"structured_outputs cannot be combined with tools (tool_choice {tools.choice}): "
+                               "send one of them, or tool_choice none")
         if request.messages is not None:
             if request.text_input is not None or request.system_prompt is not None:
                 raise InvalidInput("send either messages or text_input (with system_prompt), not both")
             if not request.apply_chat_template:
                 raise InvalidInput("messages needs apply_chat_template=true")
-            return self._chat(self._messages(request.messages))
-        if request.text_input is None:
+            messages = self._messages(request.messages)
+        elif request.text_input is None:
             raise InvalidInput("text_input is required (or messages, a whole conversation)")
-        text = self._text("text_input", request.text_input, allow_empty=False)
-        system = None
-        if request.system_prompt is not None:
-            system = self._text("system_prompt", request.system_prompt, allow_empty=True)
-        if not request.apply_chat_template:
-            if system:
-                raise InvalidInput("system_prompt needs apply_chat_template=true")
-            return self.tokenizer.encode(text, add_special_tokens=True)
-        return self._chat(([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}])
+        else:
+            text = self._text("text_input", request.text_input, allow_empty=False)
+            system = None
+            if request.system_prompt is not None:
+                system = self._text("system_prompt", request.system_prompt, allow_empty=True)
+            if not request.apply_chat_template:
+                if system:
+                    raise InvalidInput("system_prompt needs apply_chat_template=true")
+                if tools.active:
+                    raise InvalidInput("tools needs apply_chat_template=true")
+                return Prepared(self.tokenizer.encode(text, add_special_tokens=True), request.structured_outputs or b"null")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        messages, shown = conversation(messages, tools, self.template_tools)
+        grammar = structured_outputs(tools, self.template_tools)
+        return Prepared(self._chat(messages, shown),
+                        json.dumps(grammar).encode() if grammar else request.structured_outputs or b"null")
 
-    def _chat(self, messages: list[dict]) -> list[int]:
+    def _chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         if not self.tokenizer.chat_template:
             raise InvalidInput("this tokenizer has no chat template; send apply_chat_template=false")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True))
 
     def _messages(self, raw: bytes) -> list[dict]:
-        """The conversation, checked: a JSON list of {"role", "content"} with known roles and text content."""
+        """The conversation, checked: a JSON list of {"role", "content"} with known roles and text content;
+        an assistant turn may hold OpenAI's ``tool_calls`` (its arguments become objects), and a ``tool``
+        turn answers one by ``tool_call_id``."""
         try:
             messages = json.loads(self._text("messages", raw, allow_empty=False))
         except json.JSONDecodeError as e:
@@ -86,10 +118,33 @@ class Preprocessor:
         if not isinstance(messages, list) or not messages:
             raise InvalidInput("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
         for i, message in enumerate(messages):
-            if not isinstance(message, dict) or set(message) != {"role", "content"}:
-                raise InvalidInput(f"messages[{i}] must be an object with exactly the keys role and content")
-            if message["role"] not in ROLES:
-                raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message['role']!r}")
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                role = message.get("role") if isinstance(message, dict) else None
+                raise InvalidInput(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            keys = KEYS[message["role"]] | {"role"}
+            needed = keys - {"tool_calls"} - ({"content"} if message.get("tool_calls") else set())  # as OpenAI's
+            if not needed <= set(message) <= keys:
+                raise InvalidInput(f"messages[{i}] must be an object with exactly the keys {SHAPES[message['role']]}")
+            if message.get("tool_calls"):
+                message["tool_calls"] = [_call(f"messages[{i}].tool_calls[{j}]", call) for j, call in enumerate(message["tool_calls"])]
+                message["content"] = message.get("content") or ""
             if not isinstance(message["content"], str):
                 raise InvalidInput(f"messages[{i}].content must be a string")
+            if message["role"] == "tool" and not isinstance(message["tool_call_id"], str):
+                raise InvalidInput(f"messages[{i}].tool_call_id must be a string")
         return messages  # a system message alone is a conversation too (OpenAI answers it)
+
+
+def _call(where: str, call: object) -> dict:
+    """One of an assistant turn's ``tool_calls``, its arguments parsed."""
+    if not (isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type") == "function"
+            and isinstance(call.get("function"), dict) and isinstance(call["function"].get("name"), str)
+            and isinstance(call["function"].get("arguments"), str)):
+        raise InvalidInput(f'{where} must be {{"id": "...", "type": "function", "function": {{"name": "...", "arguments": "..."}}}}')
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidInput(f"{where}.function.arguments must be a JSON object, as text")
+    return {**call, "function": {**call["function"], "arguments": arguments}}

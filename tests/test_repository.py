@@ -56,8 +56,8 @@ def test_every_ensemble_step_maps_real_tensors_of_matching_type():
             assert key in inputs and produced[value] == inputs[key], (step.model_name, key)
         assert {t.name for t in model.input if not t.optional} <= set(step.input_map), step.model_name
         for key, value in step.output_map.items():
-            # One name per tensor; llm's copies of what postprocess passes on carry llm's prefix.
-            assert value in (key, f"llm_{key}"), "one name per tensor, everywhere"
+            # One name per tensor; a model's copy of a request or response field it hands on carries its prefix.
+            assert value in (key, f"{step.model_name}_{key}"), "one name per tensor, everywhere"
             produced[value] = outputs[key]
         assert ensemble.max_batch_size <= model.max_batch_size
     assert {t.name: t.data_type for t in ensemble.output}.items() <= produced.items()
@@ -153,7 +153,8 @@ def test_client_sends_exactly_the_ensemble_input_names():
     prompt = Prompt("hi", 4, system_prompt="sys", apply_chat_template=False, temperature=0.5, top_p=0.9, top_k=40,
                     repetition_penalty=1.1, seed=7, stop=["\n"], ignore_eos=True, presence_penalty=0.1,
                     frequency_penalty=0.2, logprobs=True, top_logprobs=2, prompt_logprobs=1, min_p=0.1,
-                    logit_bias={"5": -100}, min_tokens=2, stop_token_ids=[7], structured_outputs={"regex": "a"})
+                    logit_bias={"5": -100}, min_tokens=2, stop_token_ids=[7], structured_outputs={"regex": "a"},
+                    tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="f", parallel_tool_calls=False)
     names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
     conversation = Prompt(messages=[{"role": "user", "content": "hi"}])
     assert {i.name() for i in build_inputs(httpclient, conversation)} == {"messages"}

@@ -118,10 +118,20 @@ def test_grpc_answers_every_request_with_a_reply_or_a_clear_error(server, llm_st
 MESSAGE = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": TEXT}),
     st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["tool", "function", "robot"]), JUNK), "content": st.one_of(TEXT, JUNK)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.one_of(st.none(), TEXT), "tool_calls": st.one_of(st.lists(
+        st.fixed_dictionaries({"id": st.sampled_from(["c1", "c2"]), "type": st.just("function"), "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g"]), "arguments": st.one_of(st.just('{"a": 1}'), TEXT)})}), max_size=2), JUNK)}),
+    st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": st.one_of(st.sampled_from(["c1", "c9"]), JUNK),
+                           "content": st.one_of(TEXT, JUNK)}),
     st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
         st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), JUNK), max_size=3)}),
     JUNK,
 )
+TOOL = st.one_of(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.one_of(st.sampled_from(["f", "g", "auto", "x y", ""]), TEXT)},
+    optional={"description": st.one_of(TEXT, JUNK), "parameters": st.one_of(
+        st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+        st.dictionaries(st.sampled_from(["type", "properties", "required", "x"]), JUNK, max_size=3), JUNK)})}), JUNK)
 CHAT = st.fixed_dictionaries(
     {"max_tokens": MAX_TOKENS, "messages": st.one_of(st.lists(MESSAGE, max_size=4), JUNK)},
     optional={
@@ -132,7 +142,11 @@ CHAT = st.fixed_dictionaries(
         "stream": st.one_of(st.booleans(), JUNK), "stream_options": st.one_of(st.just({"include_usage": True}), JUNK),
         "logprobs": st.one_of(st.booleans(), JUNK), "top_logprobs": st.one_of(st.integers(-1, 7), JUNK),
         "max_completion_tokens": MAX_TOKENS, "ignore_eos": st.one_of(st.booleans(), JUNK),
-        "tools": JUNK, "response_format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), st.fixed_dictionaries(
+        "tools": st.one_of(st.lists(TOOL, max_size=3), JUNK),
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "x y"])})}), JUNK),
+        "parallel_tool_calls": st.one_of(st.booleans(), JUNK),
+        "response_format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), st.fixed_dictionaries(
             {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": st.just("x"), "schema": st.one_of(
                 st.just({"type": "object", "properties": {"a": {"type": "integer"}}}), st.dictionaries(TEXT, JUNK, max_size=3))})}),
             JUNK),

@@ -23,20 +23,20 @@ def test_types_are_strict_not_coerced():
     assert ChatCompletionRequest.model_validate({**CHAT, "temperature": 1}).temperature == 1.0  # an int is a number
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{}]), ("best_of", 2), ("best_of", True),
+@pytest.mark.parametrize("field, value", [("functions", [{}]), ("best_of", 2), ("best_of", True),
                                           ("store", True), ("suffix", "x"), ("service_tier", "flex"), ("metadata", "x"),
-                                          ("tool_choice", "auto"), ("parallel_tool_calls", "yes")])
+                                          ("function_call", "auto")])
 def test_unsupported_fields_are_named(field, value):
     with pytest.raises(UnsupportedField) as e:
         without_unsupported({**CHAT, field: value})
     assert e.value.field == field and str(e.value).startswith(f"{field}: ")
 
 
-OFF = {"tools": None, "best_of": 1, "suffix": None, "store": False, "metadata": {"team": "a"},
-       "service_tier": "auto", "parallel_tool_calls": True, "tool_choice": "none", "functions": [], "modalities": ["text"]}
+OFF = {"functions": None, "best_of": 1, "suffix": None, "store": False, "metadata": {"team": "a"},
+       "service_tier": "auto", "function_call": "none", "modalities": ["text"]}
 
 
-@pytest.mark.parametrize("field, value", [*OFF.items(), ("tools", []), ("parallel_tool_calls", False)])
+@pytest.mark.parametrize("field, value", [*OFF.items(), ("functions", [])])
 def test_unsupported_fields_that_are_absent_null_or_off_are_dropped(field, value):
     assert without_unsupported({**CHAT, field: value}) == CHAT
 

@@ -12,7 +12,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, STOPPING, UNAVAILABLE, InvalidInput, decode_utf8
-from contract.schema import FinishReason, request_fields
+from contract.schema import FinishReason, llm_fields
 from llm import LLM, LLMConfig, configure_threads
 from llm.compiles import COMPILATIONS, Progress
 from llm.request import GenerationRequest
@@ -25,7 +25,7 @@ from triton_glue.tensors import error_response, failure, response, scalar, singl
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # The request fields LLM.validate takes (contract/schema.py): a value each, or a list for a [-1] tensor.
-FIELDS = tuple(f for f in request_fields("llm") if f.name != "stream")
+FIELDS = tuple(f for f in llm_fields() if f.name != "stream")
 
 
 class Pending(NamedTuple):

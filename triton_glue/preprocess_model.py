@@ -13,6 +13,9 @@ from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar
 
 
+TEXTS = ("text_input", "system_prompt", "messages", "structured_outputs", "tools", "tool_choice")  # raw bytes, as sent
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = read_parameters(json.loads(args["model_config"]), PreprocessConfig)
@@ -32,11 +35,12 @@ class TritonPythonModel:
 
     def _respond(self, request) -> "pb_utils.InferenceResponse":
         try:
-            template = scalar(request, "apply_chat_template")
-            ids = self.preprocessor.encode(PromptRequest(
-                scalar(request, "text_input"), scalar(request, "system_prompt"),
-                True if template is None else bool(template), scalar(request, "messages"),
+            flags = {name: scalar(request, name) for name in ("apply_chat_template", "parallel_tool_calls")}
+            prepared = self.preprocessor.encode(PromptRequest(
+                **{name: scalar(request, name) for name in TEXTS},
+                **{name: bool(value) for name, value in flags.items() if value is not None},
             ))
         except InvalidInput as e:
             return error_response(e)
-        return response(input_ids=np.array([ids], dtype=np.int32), tokenizer_fingerprint=self.fingerprint)
+        return response(input_ids=np.array([prepared.input_ids], dtype=np.int32), tokenizer_fingerprint=self.fingerprint,
+                        structured_outputs=np.array([[prepared.structured_outputs]], dtype=np.object_))
