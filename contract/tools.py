@@ -79,8 +79,8 @@ def check_tools(tools: Any) -> list[Tool]:
 
 def check_choice(choice: str, tools: list[Tool]) -> str:
     """``tool_choice``: one of ``MODES`` or the name of a defined tool; ``ValueError`` otherwise."""
-    if choice in ("required",) + tuple(t.name for t in tools) and not tools:
-        raise ValueError(f"tool_choice {choice!r} needs tools")
+    if choice == "required" and not tools:
+        raise ValueError("tool_choice 'required' needs tools")
     if choice not in MODES and all(t.name != choice for t in tools):
         names = ", ".join(t.name for t in tools) or "no tools are defined"
         raise ValueError(f"tool_choice must be none, auto, required or the name of a tool ({names}), got {choice!r}")

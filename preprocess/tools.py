@@ -84,8 +84,7 @@ def conversation(messages: list[dict], request: ToolRequest, template: TemplateT
     rendered = []
     for i, message in enumerate(messages):
         calls = message.get("tool_calls") or []
-        for j, call in enumerate(calls):
-            names[call["id"]] = call["function"]["name"]
+        names |= {call["id"]: call["function"]["name"] for call in calls}
         if message["role"] == "tool" and message["tool_call_id"] not in names:
             raise InvalidInput(f"messages[{i}].tool_call_id {message['tool_call_id']!r} answers no earlier tool call")
         if template.native:
