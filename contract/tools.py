@@ -29,6 +29,7 @@ from contract.grammar import closed
 MODES = ("none", "auto", "required")  # tool_choice's values besides the name of one tool
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 TOOLS_LIMIT = 128  # tools one request may define (OpenAI's limit)
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 BEGIN, END = "<tool_call>", "</tool_call>"  # hermes
 # hermes calls as these templates write them (Jinja's tojson); the generic envelope is compact, as
 # llguidance writes JSON by default and ``envelope`` renders past calls.
@@ -54,7 +55,7 @@ def check_tools(tools: Any) -> list[Tool]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}")
-        unknown = sorted(set(tool) - {"type", "function"}) + sorted(set(tool["function"]) - {"name", "description", "parameters", "strict"})
+        unknown = sorted(set(tool) - {"type", "function"}) + sorted(set(tool["function"]) - FUNCTION_KEYS)
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}")
         function = tool["function"]
@@ -96,11 +97,20 @@ def _one_of(schemas: list[dict]) -> dict:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+def _offered(tools: list[Tool], choice: str) -> list[Tool]:
+    """The tools the reply may call: all of them, or the one named."""
+    return [t for t in tools if choice in MODES or t.name == choice]
+
+
+def _single(choice: str, parallel: bool) -> bool:
+    """Whether the reply calls at most once: without parallel calls, and for a named tool (as OpenAI)."""
+    return not parallel or choice not in MODES
+
+
 def grammar(tools: list[Tool], choice: str, parallel: bool, syntax: str) -> dict | None:
     """The ``structured_outputs`` that holds a reply to ``syntax`` for this choice (None: the reply is free)."""
-    callable_ = [t for t in tools if choice in MODES or t.name == choice]
-    call = _one_of([_call_schema(t) for t in callable_])
-    single = not parallel or choice not in MODES  # a named tool is called once, as OpenAI does
+    call = _one_of([_call_schema(t) for t in _offered(tools, choice)])
+    single = _single(choice, parallel)
     if syntax == "hermes":
         if choice == "auto":
             return None
@@ -119,15 +129,14 @@ def grammar(tools: list[Tool], choice: str, parallel: bool, syntax: str) -> dict
 
 def instructions(tools: list[Tool], choice: str, parallel: bool) -> str:
     """The generic syntax's system message: the tools, and the reply's two forms."""
-    shown = [{"name": t.name, "description": t.description, "parameters": t.parameters}
-             for t in tools if choice in MODES or t.name == choice]
+    shown = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in _offered(tools, choice)]
     calls = '{"tool_calls":[{"name":"<tool name>","arguments":{<its parameters>}}]}'
     if choice == "auto":
         form = f"Respond with one JSON object: either {calls} to call tools, or " \
                '{"response":"<your reply>"} to answer the user directly.'
     else:
         form = f"Respond by calling {'the tool' if choice not in MODES else 'one or more tools'} with one JSON object: {calls}"
-    many = "" if not parallel or choice not in MODES else " You may call several tools at once."
+    many = "" if _single(choice, parallel) else " You may call several tools at once."
     return f"You can call these tools:\n{json.dumps(shown, ensure_ascii=False)}\n\n{form}{many}"
 
 

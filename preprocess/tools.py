@@ -35,6 +35,10 @@ class TemplateTools:
         native = PROBE in text
         return cls(native, "hermes" if native and syntax.BEGIN in str(tokenizer.chat_template) else "generic")
 
+    def __str__(self) -> str:
+        shown = "rendered by the chat template" if self.native else "described in a system message"
+        return f"tools {shown}, their calls in the {self.syntax} syntax"
+
 
 @dataclass(frozen=True)
 class ToolRequest:

@@ -23,7 +23,8 @@ class TritonPythonModel:
         self.fingerprint = np.array([[self.preprocessor.fingerprint]], dtype=np.object_)
         self.server_pid = os.getppid()  # the tritonserver that started this stub
         pb_utils.Logger.log_info(
-            f"preprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.preprocessor.fingerprint})"
+            f"preprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.preprocessor.fingerprint}); "
+            f"{self.preprocessor.template_tools}"
         )
 
     def execute(self, requests: list) -> list:
