@@ -107,33 +107,39 @@ def _single(choice: str, parallel: bool) -> bool:
     return not parallel or choice not in MODES
 
 
-def grammar(tools: list[Tool], choice: str, parallel: bool, syntax: str) -> dict | None:
-    """The ``structured_outputs`` that holds a reply to ``syntax`` for this choice (None: the reply is free)."""
+def grammar(tools: list[Tool], choice: str, parallel: bool, syntax: str, response: dict | None = None) -> dict | None:
+    """The ``structured_outputs`` that holds a reply to ``syntax`` for this choice (None: the reply is free).
+    ``response``: the JSON schema a direct answer follows instead of free text (``response_format``)."""
     call = _one_of([_call_schema(t) for t in _offered(tools, choice)])
     single = _single(choice, parallel)
     if syntax == "hermes":
-        if choice == "auto":
+        if choice == "auto" and response is None:
             return None
         call = {"x-guidance": HERMES_JSON, **call}
         block = f'"{BEGIN}\\n" %json{json.dumps(call)} "\\n{END}"'
         repeat = "" if single else ' ("\\n" call)*'
-        return {"grammar": f"start: call{repeat}\ncall: {block}\n"}
+        rules = ["start: calls", f"calls: call{repeat}", f"call: {block}"]
+        if choice == "auto":  # a direct answer, held to ``response``
+            answer = {"x-guidance": {"whitespace_flexible": False}, **response}
+            rules[0:1] = ["start: answer | calls", f"answer: %json{json.dumps(answer)}"]
+        return {"grammar": "\n".join(rules) + "\n"}
     calls = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
     envelope = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
     if choice == "auto":
-        response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                    "additionalProperties": False}
-        envelope = {"anyOf": [envelope, response]}
+        answer = {"type": "object", "properties": {"response": response or {"type": "string"}}, "required": ["response"],
+                  "additionalProperties": False}
+        envelope = {"anyOf": [envelope, answer]}
     return {"json": envelope}
 
 
-def instructions(tools: list[Tool], choice: str, parallel: bool) -> str:
+def instructions(tools: list[Tool], choice: str, parallel: bool, response: dict | None = None) -> str:
     """The generic syntax's system message: the tools, and the reply's two forms."""
     shown = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in _offered(tools, choice)]
     calls = '{"tool_calls":[{"name":"<tool name>","arguments":{<its parameters>}}]}'
     if choice == "auto":
-        form = f"Respond with one JSON object: either {calls} to call tools, or " \
-               '{"response":"<your reply>"} to answer the user directly.'
+        answer = ('{"response":"<your reply>"}' if response is None else
+                  f'{{"response":<your reply, JSON following this schema: {json.dumps(response, ensure_ascii=False)}>}}')
+        form = f"Respond with one JSON object: either {calls} to call tools, or {answer} to answer the user directly."
     else:
         form = f"Respond by calling {'the tool' if choice not in MODES else 'one or more tools'} with one JSON object: {calls}"
     many = "" if _single(choice, parallel) else " You may call several tools at once."
@@ -283,8 +289,10 @@ def _generic(text: str, i: int, final: bool) -> Parsed | None:
     if not members:
         return Parsed()
     key, start, _ = members[0]
-    if key == "response":
-        return Parsed(content=_string_prefix(text, start) if start < len(text) and text[start] == '"' else "")
+    if key == "response":  # a string's characters, or a JSON answer's text (response_format)
+        if start < len(text) and text[start] == '"':
+            return Parsed(content=_string_prefix(text, start))
+        return Parsed(content=text[start:members[0][2] or len(text)])
     parsed = Parsed()
     j = start + 1 if start < len(text) and text[start] == "[" else len(text)
     while (j := _ws(text, j)) < len(text) and text[j] in "{,":

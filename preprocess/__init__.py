@@ -73,10 +73,7 @@ class Preprocessor:
         system prompt) or the raw text; with tools, the grammar their calls follow."""
         tools = tool_request(None if request.tools is None else self._text("tools", request.tools, allow_empty=False),
                              None if request.tool_choice is None else decode_utf8("tool_choice", request.tool_choice),
-                             request.parallel_tool_calls)
-        if tools.active and request.structured_outputs is not None:
-            raise InvalidInput(f"structured_outputs cannot be combined with tools (tool_choice {tools.choice}): "
-                               "send one of them, or tool_choice none")
+                             request.parallel_tool_calls, request.structured_outputs)
         if request.messages is not None:
             if request.text_input is not None or request.system_prompt is not None:
                 raise InvalidInput("send either messages or text_input (with system_prompt), not both")

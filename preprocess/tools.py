@@ -4,14 +4,14 @@ tool results as that template takes it (contract/tools.py has the syntaxes and s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
 from contract import tools as syntax
 from contract.errors import InvalidInput
-from contract.grammar import llguidance_grammar
+from contract.grammar import closed, llguidance_grammar
 
 PROBE = "probe_tool_5d41402a"  # a tool name no template writes unless it renders the tools it is given
 
@@ -48,6 +48,7 @@ class ToolRequest:
     raw: tuple[dict, ...]  # as the client sent them, for templates that render tools
     choice: str
     parallel: bool
+    response: dict | None = None  # the schema a direct answer follows (structured_outputs with tools)
 
     @property
     def active(self) -> bool:
@@ -55,8 +56,9 @@ class ToolRequest:
         return bool(self.tools) and self.choice != "none"
 
 
-def tool_request(tools: str | None, choice: str | None, parallel: bool) -> ToolRequest:
-    """The request's tool fields, or ``InvalidInput`` naming the field at fault."""
+def tool_request(tools: str | None, choice: str | None, parallel: bool, structured_outputs: bytes | None = None) -> ToolRequest:
+    """The request's tool fields, or ``InvalidInput`` naming the field at fault. With tools on, the
+    request's ``structured_outputs`` (a JSON schema or ``json_object``) is what a direct answer follows."""
     try:
         raw = json.loads(tools) if tools is not None else []
     except json.JSONDecodeError as e:
@@ -68,7 +70,20 @@ def tool_request(tools: str | None, choice: str | None, parallel: bool) -> ToolR
         raise InvalidInput(str(e)) from None
     for i, tool in enumerate(checked):
         _compilable(f"tools[{i}].function.parameters", json.dumps(tool.parameters, sort_keys=True))
-    return ToolRequest(tuple(checked), tuple(raw), choice, parallel)
+    request = ToolRequest(tuple(checked), tuple(raw), choice, parallel)
+    if not request.active or structured_outputs is None:
+        return request  # structured_outputs, if any, goes to llm as it is
+    try:
+        spec = json.loads(structured_outputs)
+        schema = spec.get("json", {"type": "object"}) if isinstance(spec, dict) and set(spec) in ({"json"}, {"json_object"}) else None
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+    except ValueError:  # not JSON, or not UTF-8
+        schema = None
+    if not isinstance(schema, dict):
+        raise InvalidInput(f"structured_outputs with tools (tool_choice {choice}) must be a JSON schema (an object) or "
+                           "json_object: a direct answer follows it; send tool_choice none for any other")
+    _compilable("structured_outputs.json", json.dumps(schema, sort_keys=True))
+    return replace(request, response=closed(schema))
 
 
 @lru_cache(maxsize=256)
@@ -101,7 +116,7 @@ def conversation(messages: list[dict], request: ToolRequest, template: TemplateT
         else:
             rendered.append(message)
     if request.active and template.syntax == "generic":
-        text = syntax.instructions(list(request.tools), request.choice, request.parallel)
+        text = syntax.instructions(list(request.tools), request.choice, request.parallel, request.response)
         if rendered[0]["role"] == "system":
             rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{text}"}
         else:
@@ -113,4 +128,4 @@ def structured_outputs(request: ToolRequest, template: TemplateTools) -> dict | 
     """The grammar the reply follows, or None (no tools, ``none``, or hermes ``auto``)."""
     if not request.active:
         return None
-    return syntax.grammar(list(request.tools), request.choice, request.parallel, template.syntax)
+    return syntax.grammar(list(request.tools), request.choice, request.parallel, template.syntax, request.response)

@@ -30,7 +30,8 @@ class GetWeather(BaseModel):
 
 TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}}, "required": ["timezone"]}
 TOOLS = [openai.pydantic_function_tool(GetWeather, name="get_weather", description="The current weather in a city"),
-         {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone", "parameters": TIME}}]
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone", "parameters": TIME,
+                                           "strict": True}}]
 SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"], "get_time": TIME}
 
 
@@ -106,6 +107,27 @@ def test_auto_answers_or_calls_and_either_is_well_formed(openai_client, model, s
             assert choice.finish_reason in ("stop", "length")
 
 
+class Forecast(BaseModel):
+    city: str = Field(max_length=20)
+    sunny: bool
+
+
+def test_a_direct_answer_follows_response_format_beside_the_tools(openai_client, model):
+    """OpenAI takes both: the reply calls tools, or answers in the schema (``parse`` reads either)."""
+    kinds = set()
+    for seed in range(6):
+        choice = openai_client.chat.completions.parse(
+            model=model, messages=ASK, tools=TOOLS, response_format=Forecast, max_tokens=120, temperature=1.0,
+            seed=seed).choices[0]
+        if valid_calls(choice.message):
+            kinds.add("calls")
+            assert choice.finish_reason == "tool_calls"
+        else:
+            kinds.add("answer")
+            assert isinstance(choice.message.parsed, Forecast) and choice.finish_reason == "stop"
+    assert kinds  # which of the two the model picks is its own; each is well-formed
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_none_answers_in_text(openai_client, model, stream):
     request = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=24, temperature=0)
@@ -157,8 +179,8 @@ def rendered_prompt(http_url: str, tokenizer, messages: list[dict], **fields) ->
      "tool_choice must be none, auto, required or the name of a tool (get_weather, get_time), got 'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "Input should be"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format",
-     "response_format cannot be combined with tools"),
+    ({"tools": TOOLS, "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs",
+     "structured_outputs with tools (tool_choice auto) must be a JSON schema (an object) or json_object"),
     ({"messages": [{"role": "tool", "tool_call_id": "call_x", "content": "18"}]}, "messages",
      "messages[0].tool_call_id 'call_x' answers no earlier tool call"),
     ({"messages": [{"role": "tool", "content": "18"}]}, "messages.0.tool_call_id", "is required in a tool message"),

@@ -122,12 +122,17 @@ TOOLS = check_tools([{"type": "function", "function": {"name": "weather", "param
                      {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}])
 
 
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
 @pytest.mark.parametrize("syntax", ["generic", "hermes"])
-@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), ("weather", True), ("auto", True)])
-def test_tool_call_grammars_hold_random_replies_to_the_tools(llm, syntax, choice, parallel):
+@pytest.mark.parametrize("choice, parallel, response", [("required", True, None), ("required", False, None),
+                                                        ("weather", True, None), ("auto", True, None), ("auto", True, ANSWER)])
+def test_tool_call_grammars_hold_random_replies_to_the_tools(llm, syntax, choice, parallel, response):
     """Whatever a random model prefers, a reply held by a tool grammar parses into calls of defined tools
-    whose arguments follow their parameters (a named choice: that tool, once; without parallel: once)."""
-    spec = tools.grammar(list(TOOLS), choice, parallel, syntax)
+    whose arguments follow their parameters (a named choice: that tool, once; without parallel: once),
+    or, under auto, an answer (following ``response`` when given)."""
+    spec = tools.grammar(list(TOOLS), choice, parallel, syntax, response)
     if spec is None:  # hermes auto is free, as vLLM's hermes parser leaves it
         assert (syntax, choice) == ("hermes", "auto")
         return
@@ -138,6 +143,8 @@ def test_tool_call_grammars_hold_random_replies_to_the_tools(llm, syntax, choice
         parsed = tools.parse(llm.decode(seq.output_ids), final=True)
         if not parsed.calls:  # only auto may answer instead
             assert choice == "auto", parsed
+            if response is not None:
+                jsonschema.validate(json.loads(parsed.content), response)
             continue
         assert len(parsed.calls) == 1 or (parallel and choice in ("required", "auto"))
         for call in parsed.calls:

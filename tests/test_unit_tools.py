@@ -25,6 +25,7 @@ REPLIES = [  # (reply, content, [(name, arguments)])
     ('{"tool_calls":[{"name":"get_weather","arguments":{"city":"Pa\\"ris","n":[1,{"a":"}"}]}},{"name":"x","arguments":{}}]}',
      "", [("get_weather", '{"city":"Pa\\"ris","n":[1,{"a":"}"}]}'), ("x", "{}")]),
     ('{"response":"Hi\\n\\u00e9t\\u00e9 \\ud83d\\ude00 \\\\o/"}', "Hi\nété 😀 \\o/", []),
+    ('{"response":{"a":[1,"}"],"b":null}}', '{"a":[1,"}"],"b":null}', []),  # an answer held to response_format
     ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
      "Sure.\n", [("f", '{"a": 1}'), ("g", "{}")]),
     ("a < b and <tool is not a call", "a < b and <tool is not a call", []),
@@ -130,7 +131,10 @@ def test_a_template_that_renders_tools_gets_them_and_its_own_syntax(hermes):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}}}]},
      None, r"tools\[0\].function.parameters cannot be compiled"),
-    ({"tools": [WEATHER], "structured_outputs": {"json_object": True}}, None, "structured_outputs cannot be combined with tools"),
+    ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"}}, None,
+     r"structured_outputs with tools \(tool_choice auto\) must be a JSON schema"),
+    ({"tools": [WEATHER], "structured_outputs": {"json": {"type": "string", "pattern": "(?=a)"}}}, None,
+     "structured_outputs.json cannot be compiled"),
     ({}, [{"role": "tool", "tool_call_id": "call_9", "content": "x"}], r"messages\[0\].tool_call_id 'call_9' answers no earlier tool call"),
     ({}, [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "[1]"}}]}], r"messages\[0\].tool_calls\[0\].function.arguments must be a JSON object"),
@@ -139,6 +143,16 @@ def test_a_template_that_renders_tools_gets_them_and_its_own_syntax(hermes):
 def test_bad_tool_requests_name_the_field(generic, fields, messages, message):
     with pytest.raises(InvalidInput, match=message):
         prompt(generic, messages or [{"role": "user", "content": "hi"}], **fields)
+
+
+def test_a_direct_answer_follows_the_requests_schema_beside_the_tools(generic, hermes):
+    answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+    text, grammar = prompt(generic, CALLED, tools=[WEATHER], structured_outputs={"json": answer})
+    assert grammar["json"]["anyOf"][1]["properties"]["response"] == {**answer, "additionalProperties": False}
+    assert '"summary"' in text  # the system message shows the answer's schema
+    grammar = prompt(hermes, CALLED, tools=[WEATHER], structured_outputs={"json_object": True})[1]
+    assert grammar["grammar"].startswith("start: answer | calls")  # hermes auto is held once an answer has a schema
+    assert prompt(generic, CALLED, tools=[WEATHER], tool_choice="none", structured_outputs={"regex": "a+"})[1] == {"regex": "a+"}
 
 
 def test_tools_need_the_chat_template(generic):
