@@ -73,6 +73,12 @@ def tool_request(tools: str | None, choice: str | None, parallel: bool, structur
     request = ToolRequest(tuple(checked), tuple(raw), choice, parallel)
     if not request.active or structured_outputs is None:
         return request  # structured_outputs, if any, goes to llm as it is
+    return replace(request, response=_answer_schema(structured_outputs, choice))
+
+
+def _answer_schema(structured_outputs: bytes, choice: str) -> dict:
+    """The schema a direct answer follows beside active tools: ``structured_outputs``' ``json`` (or any
+    object for ``json_object``), closed; any other kind is refused, naming the field."""
     try:
         spec = json.loads(structured_outputs)
         schema = spec.get("json", {"type": "object"}) if isinstance(spec, dict) and set(spec) in ({"json"}, {"json_object"}) else None
@@ -83,7 +89,7 @@ def tool_request(tools: str | None, choice: str | None, parallel: bool, structur
         raise InvalidInput(f"structured_outputs with tools (tool_choice {choice}) must be a JSON schema (an object) or "
                            "json_object: a direct answer follows it; send tool_choice none for any other")
     _compilable("structured_outputs.json", json.dumps(schema, sort_keys=True))
-    return replace(request, response=closed(schema))
+    return closed(schema)
 
 
 @lru_cache(maxsize=256)
@@ -125,7 +131,7 @@ def conversation(messages: list[dict], request: ToolRequest, template: TemplateT
 
 
 def structured_outputs(request: ToolRequest, template: TemplateTools) -> dict | None:
-    """The grammar the reply follows, or None (no tools, ``none``, or hermes ``auto``)."""
+    """The grammar the reply follows, or None (no tools, ``none``, or hermes ``auto`` without an answer schema)."""
     if not request.active:
         return None
     return syntax.grammar(list(request.tools), request.choice, request.parallel, template.syntax, request.response)
