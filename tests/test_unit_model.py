@@ -68,6 +68,7 @@ def test_a_decoders_packed_weights_and_step_are_its_own_and_go_with_it():
     decoder's context is freed with it, its key free for the next one."""
     import gc
 
+    gc.collect()  # earlier tests' decoders go now, not midway (their keys, lower, would be reused first)
     torch.manual_seed(0)
     first, second = (M.Decoder(FAMILIES["llama"]().eval(), slots=16, positions=16) for _ in range(2))
     assert first.context.key != second.context.key and M.Context.of(second.context.key) is second.context
