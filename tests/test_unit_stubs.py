@@ -1,4 +1,5 @@
-"""DeathWatch on real processes standing in for stubs: a killed one is reported once, a normal exit never."""
+"""DeathWatch and the drain board on real processes standing in for stubs and servers: a killed stub is
+reported once, a normal exit never; a dead server's drain notice never counts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from triton_glue import stubs
+from triton_glue import drain, stubs
 from triton_glue.stubs import DeathWatch, zombies
 
 
@@ -59,3 +60,26 @@ def test_a_normal_exit_and_unwatched_models_are_not_deaths(fake_stubs):
     os.kill(other.pid, signal.SIGKILL)
     time.sleep(0.2)
     assert [watch.look() for _ in range(3)] == [set(), set(), set()]
+
+
+def test_a_drain_notice_counts_only_while_its_own_server_runs(monkeypatch, tmp_path):
+    """``launcher health`` fails while a server drains, and only then: a notice left by a server that died
+    mid-drain counts neither while it is an unreaped zombie nor once its pid is another process's."""
+    monkeypatch.setattr(drain, "BOARD", tmp_path)
+    server = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not drain.posted()
+        drain.begin(server.pid, 30)
+        assert drain.posted() and drain.notice(server.pid).seconds == 30
+        os.kill(server.pid, signal.SIGKILL)  # its launcher killed too: nobody clears the notice
+        time.sleep(0.2)
+        assert zombies([server.pid]) == {server.pid} and not drain.posted()
+    finally:
+        server.kill()
+        server.wait()
+    assert not drain.posted()
+    drain.begin(os.getpid(), 30)
+    assert drain.posted()
+    since = (tmp_path / f"drain-{os.getpid()}").read_text().split()[2]
+    (tmp_path / f"drain-{os.getpid()}").write_text(f"0 30 {int(since) - 1}")  # an earlier process with this pid
+    assert not drain.posted() and drain.notice(os.getpid()).seconds == 30

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_glue import stubs
 from triton_glue.cancel import BOARD
 
 
@@ -33,29 +34,48 @@ def _done_path(stub_pid: int) -> Path:
     return BOARD / f"drained-{stub_pid}"
 
 
+def _running_since(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot), or None once it has exited. A zombie, killed but not
+    yet reaped (a container whose init does not reap leaves them for good), has exited; the start time
+    tells a process from a later one given the same pid."""
+    fields = stubs.stat(pid)
+    return fields[19] if fields and fields[0] not in ("Z", "X") else None
+
+
 def begin(server_pid: int, seconds: float) -> Notice:
     """Tell ``server_pid``'s models to drain for up to ``seconds``."""
     notice = Notice(time.time() + seconds, seconds)
     BOARD.mkdir(parents=True, exist_ok=True)
     draft = BOARD / f".drain-{server_pid}.{os.getpid()}"
-    draft.write_text(f"{notice.deadline} {notice.seconds}")
+    draft.write_text(f"{notice.deadline} {notice.seconds} {_running_since(server_pid)}")
     os.replace(draft, _notice_path(server_pid))
     return notice
 
 
-def notice(server_pid: int) -> Notice | None:
-    """The drain notice of ``server_pid``, if one was posted."""
+def _read(server_pid: int) -> tuple[Notice, str] | None:
     try:
-        deadline, seconds = _notice_path(server_pid).read_text().split()
+        deadline, seconds, since = _notice_path(server_pid).read_text().split()
     except (FileNotFoundError, ValueError):
         return None
-    return Notice(float(deadline), float(seconds))
+    return Notice(float(deadline), float(seconds)), since
+
+
+def notice(server_pid: int) -> Notice | None:
+    """The drain notice of ``server_pid``, if one was posted."""
+    read = _read(server_pid)
+    return read[0] if read else None
 
 
 def posted() -> bool:
-    """Whether any running server on this host (the one of a container) is draining; the notice of a
-    server that died without clearing it does not count."""
-    return any(Path(f"/proc/{path.name.removeprefix('drain-')}").exists() for path in BOARD.glob("drain-*"))
+    """Whether any running server on this host (the one of a container) is draining. The notice of a
+    server that died without clearing it (its launcher killed mid-drain) does not count, whether the
+    server is gone, a zombie, or its pid now another process's."""
+    for path in BOARD.glob("drain-*"):
+        pid = int(path.name.removeprefix("drain-"))
+        read = _read(pid)
+        if read and read[1] == _running_since(pid):
+            return True
+    return False
 
 
 def done(stub_pid: int) -> None:

@@ -47,17 +47,18 @@ def dead_models(models: Iterable[str], is_ready: Callable[[str], bool], server_p
     return ready - set(stubs(server_pid)) if ready else set()
 
 
+def stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after "(comm)" (the state first, the start time 20th), or None once
+    the process was reaped (or never was)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def zombies(pids: Iterable[int]) -> set[int]:
     """Those of ``pids`` that exited and were never reaped."""
-    found = set()
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # reaped, or never there
-            continue
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":  # the state follows "(comm)"
-            found.add(pid)
-    return found
+    return {pid for pid in pids if (fields := stat(pid)) and fields[0] == "Z"}
 
 
 class DeathWatch:
