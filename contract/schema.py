@@ -164,6 +164,8 @@ REQUEST = (
           help="with tools: false allows at most one call per reply"),
     Field("ignore_eos", "TYPE_BOOL", to=LLM, default=False, openai=True,
           help="true generates exactly max_tokens tokens, past the end-of-turn token (benchmarks and load tests)"),
+    Field("cache_salt", "TYPE_STRING", to=LLM, openai=True, help="vLLM's: only requests with the same salt share "
+          "prefix-cache blocks, so a tenant's prompts cannot be probed by timing another's (at most 256 bytes)"),
     Field("stream", "TYPE_BOOL", to=LLM, default=False,
           help="ensemble only (ensemble_infer always answers once): true sends the reply a chunk of text at a time"),
     Field("logprobs", "TYPE_BOOL", to=LLM, default=False, help="true returns each generated token's log-probability "
@@ -181,6 +183,8 @@ RESPONSE = (
           "response adds: no prompt, no special tokens, complete UTF-8"),
     Field("completion_tokens", "TYPE_INT32", optional=False, help="tokens generated so far"),
     Field("prompt_tokens", "TYPE_INT32", optional=False, help="tokens in the prompt, after the chat template"),
+    Field("cached_tokens", "TYPE_INT32", optional=False, help="of the prompt tokens, those whose prefill the prefix "
+          "cache saved (an earlier request began with them: a conversation's earlier turns, a shared system prompt)"),
     Field("finish_reason", "TYPE_STRING", optional=False, help="empty until the last response: stop (end of turn, "
           "a stop string or a stop token) or length (max_tokens)"),
     Field("token_logprobs", "TYPE_STRING", optional=False, help="with logprobs: a JSON list of the tokens whose text "
@@ -205,6 +209,7 @@ LLM_OUTPUTS = (
     Field("sent_tokens", "TYPE_INT32", optional=False),
     Field("completion_tokens", "TYPE_INT32", optional=False, help="every id generated so far"),
     Field("prompt_tokens", "TYPE_INT32", optional=False),
+    Field("cached_tokens", "TYPE_INT32", optional=False, help="of those, found in the prefix cache"),
     Field("finish_reason", "TYPE_STRING", optional=False, help="empty until the last response"),
     Field("tokenizer_fingerprint", "TYPE_STRING", optional=False, help="the model's vocabulary, for postprocess"),
     Field("stop", "TYPE_STRING", (-1,), ragged=True, help="the validated stop strings: postprocess cuts the text "

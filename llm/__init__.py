@@ -13,7 +13,7 @@ from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 from llm.engine import Engine
 from llm.grammar import Grammars
-from llm.kv import BLOCK_SIZE, BlockTable, cache_slots
+from llm.kv import BLOCK_SIZE, BlockHasher, BlockTable, cache_slots
 from llm.model import Decoder
 from llm.compiles import Progress
 from llm.runner import ModelRunner
@@ -37,6 +37,7 @@ class LLMConfig:
     max_context_tokens: int = 0  # prompt + reply; 0 means the model's max_position_embeddings
     kv_cache_tokens: int = 16384  # KV budget in cache slots, a multiple of 16; see docs/configuration.md for bytes
     max_running_requests: int = 64  # rows decoded together at most
+    prefix_caching: bool = True  # reuse the KV blocks of a prompt's prefix an earlier request filled
     max_batched_tokens: int = 256  # tokens in one forward pass: the decode rows, then prompt chunks
     max_queued_requests: int = 256  # waiting for the KV budget; more are refused at once (overloaded)
     max_queue_seconds: float = 60.0  # a request that waited this long for room is refused (overloaded)
@@ -148,7 +149,10 @@ class LLM:
         runner = ModelRunner(self.decoder, table, self.device, c.compile, shapes,
                              progress.status if progress is not None else lambda text: None)
         self.grammars.prepare()
-        return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars)
+        # The model's folder, dtype and vocabulary lead every block's hash chain: one engine serves one
+        # model, and a key written for another is never taken for its own.
+        hasher = BlockHasher(f"{c.model_dir}\0{self.dtype}\0{self.fingerprint}") if c.prefix_caching else None
+        return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars, hasher)
 
     def decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)

@@ -3,7 +3,9 @@
 A step reads as nano-vllm's three beats: the ``Scheduler`` decides what runs (every decoding row, plus
 prompt chunks up to a token budget), the ``ModelRunner`` runs it as one forward pass over a paged KV cache,
 and ``Engine._postprocess`` picks each row's token with its own sampler and applies its stop conditions.
-A finished request leaves at once and frees its cache blocks for the next one waiting.
+A finished request leaves at once and frees its cache blocks for the next one waiting. Each block a
+step fills is registered in the prefix cache (``llm/kv.py``), so the next request that starts with the
+same tokens, a conversation's next turn above all, skips their prefill.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from contract.schema import FinishReason
 from contract.stops import TextTracker
 from llm.grammar import Grammars
+from llm.kv import BLOCK_SIZE, BlockHasher
 from llm.runner import ModelRunner
 from llm.sampling import Sampler, sample
 from llm.scheduler import Scheduler, Step
@@ -24,8 +27,11 @@ from llm.sequence import Metrics, Sequence, TokenLogprobs
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: set[int],
-                 decode: Callable[[list[int]], str], metrics: Metrics, grammars: Grammars | None = None) -> None:
+                 decode: Callable[[list[int]], str], metrics: Metrics, grammars: Grammars | None = None,
+                 hasher: BlockHasher | None = None) -> None:
+        """``hasher`` turns prefix caching on."""
         self.runner = runner
+        self.hasher = hasher
         self.grammars = grammars
         self.scheduler = scheduler
         self.eos_ids = eos_ids
@@ -35,10 +41,13 @@ class Engine:
 
     # Called from any thread.
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq``; its grammar, if any, is built here, on the caller's thread (``InvalidInput`` if
-        it cannot serve this model)."""
-        if seq.request.grammar is not None:
-            seq.matcher = self.grammars.matcher(seq.request.grammar)
+        """Queue ``seq``; its grammar, if any, and its prompt's block hashes are made here, on the
+        caller's thread (``InvalidInput`` if the grammar cannot serve this model)."""
+        request = seq.request
+        if request.grammar is not None:
+            seq.matcher = self.grammars.matcher(request.grammar)
+        if self.hasher is not None:
+            seq.block_hashes = self.hasher.chain(self.hasher.root(request.cache_salt), request.input_ids)
         self.scheduler.add(seq)
 
     def sequences(self) -> list[Sequence]:
@@ -77,16 +86,18 @@ class Engine:
             logits = self.runner.run(step)
             changed += self._postprocess(step, logits)
         s = self.scheduler
-        self.metrics.step(len(s.running), len(s.waiting), s.blocks.used_tokens)
+        self.metrics.step(len(s.running), len(s.waiting), s.blocks.used_tokens, s.blocks.cached_blocks)
         return changed
 
     def fail_all(self, error: str) -> list[Sequence]:
-        """After a failed step (a device error, out of memory) every admitted row is lost; say so."""
+        """After a failed step (a device error, out of memory) every admitted row is lost; say so. The
+        prefix cache goes too: nothing says what the failed step left in the cache."""
         failed = list(self.scheduler.running)
         for seq in failed:
             if not seq.finished:
                 seq.finish_reason, seq.error = FinishReason.ERROR, error
             self.scheduler.finish(seq)
+        self.scheduler.blocks.forget()
         return failed
 
     def _admitted(self, seq: Sequence) -> None:
@@ -96,7 +107,7 @@ class Engine:
         seq.text = TextTracker(self.decode, request.stop, request.sampling.min_tokens)
         if seq.request.prompt_logprobs is not None:
             seq.prompt_token_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
-        self.metrics.admitted(len(seq.request.input_ids))
+        self.metrics.admitted(len(seq.request.input_ids), seq.cached_tokens)
 
     @torch.inference_mode()
     def _prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprobs]:
@@ -114,8 +125,10 @@ class Engine:
         rows = step.sampled
         for seq, count in step.prefill:
             seq.cached += count
+            self._register(seq)
         for seq in step.decode:
             seq.cached += 1
+            self._register(seq)
         tokens = self._choose(rows, logits)
         logprobs = self._logprobs(rows, logits, tokens)
         now = time.perf_counter()
@@ -128,6 +141,19 @@ class Engine:
                 self.scheduler.finish(seq)
         self.metrics.tokens(first, later)
         return rows
+
+    def _register(self, seq: Sequence) -> None:
+        """Put the blocks ``seq`` filled in the prefix cache: those of its prompt were hashed when it came,
+        those of its reply are hashed as they fill (a conversation's next turn re-sends the reply)."""
+        if self.hasher is None:
+            return
+        while seq.registered < seq.cached // BLOCK_SIZE:
+            i = seq.registered
+            if i == len(seq.block_hashes):
+                parent = seq.block_hashes[-1] if i else self.hasher.root(seq.request.cache_salt)
+                seq.block_hashes += self.hasher.chain(parent, [seq.token_at(p) for p in range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)])
+            self.scheduler.blocks.register(seq.row, i, seq.block_hashes[i])
+            seq.registered += 1
 
     def _choose(self, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
         """One token per row: one argmax for every plain greedy row, one batched pass (``sample``) for the

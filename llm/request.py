@@ -17,6 +17,7 @@ from contract.schema import PYTHON_TYPES, llm_fields
 from contract.grammar import llguidance_grammar
 
 FIELDS = {f.name: f for f in llm_fields()}
+MAX_CACHE_SALT_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..5)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     grammar: str | None = None  # llguidance's grammar the reply must follow (structured_outputs)
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
     @property
     def reserved_tokens(self) -> int:
@@ -154,7 +156,17 @@ def validate(limits: Limits, input_ids: list[int], max_tokens: int | None = None
     return GenerationRequest(list(input_ids), max_tokens, sampling, _stop(stop or [], limits),
                              _scalar("ignore_eos", values.get("ignore_eos"), limits),
                              top_logprobs if logprobs else None, prompt_logprobs,
-                             _grammar(_scalar("structured_outputs", values.get("structured_outputs"), limits)))
+                             _grammar(_scalar("structured_outputs", values.get("structured_outputs"), limits)),
+                             _cache_salt(values.get("cache_salt")))
+
+
+def _cache_salt(raw: str | bytes | None) -> str | None:
+    if raw is None:
+        return None
+    text = decode_utf8("cache_salt", raw) if isinstance(raw, bytes) else raw
+    if not text or len(text.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidInput(f"cache_salt must be 1 to {MAX_CACHE_SALT_BYTES} bytes of UTF-8, got {len(text.encode())}")
+    return text
 
 
 def _grammar(spec: dict | None) -> str | None:

@@ -1,7 +1,9 @@
 """Who runs in the next forward pass, and who waits.
 
 Waiting requests are admitted strictly first come, first served, while a row and the KV blocks for their
-prompt plus ``max_tokens`` are free. Every step carries one token for each decoding row, then prompt
+prompt plus ``max_tokens`` are free (blocks of their prompt's prefix found in the prefix cache are
+reused, and a block other rows hold costs nothing more); such a request's prefill starts where the
+cached prefix ends. Every step carries one token for each decoding row, then prompt
 chunks in admission order up to ``max_batched_tokens`` (chunked prefill, as vLLM and Sarathi do): a long
 prompt is cut into pieces that ride along with the decode rows, so an admission never stalls the running
 streams for a whole prompt.
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from contract.schema import FinishReason
-from llm.kv import BlockTable
+from llm.kv import BLOCK_SIZE, BlockTable
 from llm.sequence import Metrics, Overloaded, Sequence
 
 
@@ -119,9 +121,14 @@ class Scheduler:
 
     def _admit(self, on_admit: Callable[[Sequence], None]) -> None:
         with self._lock:
-            while (self.waiting and len(self.running) < self.max_running
-                   and self.blocks.fits(self.waiting[0].request.reserved_tokens)):
-                seq = self.waiting.popleft()
-                seq.row = self.blocks.reserve(seq.request.reserved_tokens)
+            while self.waiting and len(self.running) < self.max_running:
+                seq = self.waiting[0]
+                prefix = self.blocks.cached(seq.block_hashes[:(len(seq.request.input_ids) - 1) // BLOCK_SIZE])
+                if not self.blocks.fits(seq.request.reserved_tokens, prefix):
+                    break
+                self.waiting.popleft()
+                seq.row = self.blocks.reserve(seq.request.reserved_tokens, prefix)
+                seq.cached = seq.cached_tokens = len(prefix) * BLOCK_SIZE  # the last prompt token is never among them
+                seq.registered = len(prefix)
                 self.running.append(seq)
                 on_admit(seq)

@@ -28,7 +28,8 @@ class Overloaded(RuntimeError):
 class Metrics:
     """Engine events for operators. This default records nothing, so the engine needs no server."""
 
-    def admitted(self, prompt_tokens: int) -> None: ...
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request took a row: its prompt, of which ``cached_tokens`` came from the prefix cache."""
 
     def tokens(self, first: list[float], later: list[float]) -> None:
         """One step's new tokens: seconds from arrival to a request's first token, and between later ones."""
@@ -36,7 +37,7 @@ class Metrics:
     def forward(self, rows: int) -> None:
         """One forward pass over ``rows`` requests."""
 
-    def step(self, running: int, waiting: int, kv_tokens: int) -> None:
+    def step(self, running: int, waiting: int, kv_tokens: int, cached_blocks: int) -> None:
         """After every step, forward pass or not."""
 
     def overloaded(self) -> None:
@@ -63,6 +64,9 @@ class Sequence:
     text: TextTracker | None = None
     row: int = 0  # its row of the block table once admitted
     cached: int = 0  # positions whose keys and values are in the cache
+    cached_tokens: int = 0  # prompt tokens whose keys it found in the prefix cache when admitted
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (``llm/kv.py``)
+    registered: int = 0  # its blocks in the prefix cache, found there or registered once full
 
     @property
     def finished(self) -> bool:

@@ -67,6 +67,7 @@ class Update:
     logprobs: list[TokenLogprobs] | None = None  # one per id of ``ids``, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # in the first update, when the request asked
     stop_after: int = 0  # stop strings count only when they end after this character of ``ids``' text (min_tokens)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def failed(self) -> bool:
@@ -268,5 +269,5 @@ def _update(ticket: _Ticket) -> Update | None:
         ticket.key, seq.output_ids[start:count], ticket.given - start, count, first, reason, seq.error,
         seq.token_logprobs[start:count] if request.top_logprobs is not None else None,
         seq.prompt_token_logprobs if first and request.prompt_logprobs is not None else None,
-        seq.text.stop_after(start),
+        seq.text.stop_after(start), seq.cached_tokens,
     )

@@ -62,7 +62,7 @@ class Generations:
         self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)]
         self.watcher = asyncio.create_task(_until_disconnected(request))
         self.cut = asyncio.create_task(drain.expired.wait())
-        self.prompt_tokens, self.completion_tokens = [0] * self.count, [0] * self.count
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = [0] * self.count, [0] * self.count, [0] * self.count
         self.finished: set[int] = set()
 
     async def _pump(self, index: int, stream: AsyncIterator[Chunk]) -> None:
@@ -88,6 +88,7 @@ class Generations:
             if isinstance(item, PipelineError):
                 raise APIError.of(item, self.names)
             self.prompt_tokens[index], self.completion_tokens[index] = item.prompt_tokens, item.completion_tokens
+            self.cached_tokens[index] = item.cached_tokens
             if item.finish_reason:
                 self.finished.add(index)
             return index, item
@@ -116,7 +117,9 @@ class Generations:
 
     def usage(self) -> Usage:
         n = len(self.groups[0])  # each client prompt counts once, however many choices it has (as OpenAI counts)
-        return Usage.of(sum(self.prompt_tokens[g * n] for g in range(len(self.groups))), sum(self.completion_tokens))
+        firsts = range(0, len(self.groups) * n, n)
+        return Usage.of(sum(self.prompt_tokens[i] for i in firsts), sum(self.completion_tokens),
+                        sum(self.cached_tokens[i] for i in firsts))
 
     async def close(self) -> None:
         self.watcher.cancel()

@@ -276,15 +276,21 @@ class CompletionRequest(GenerationFields):
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # the prompt tokens the prefix cache saved, as OpenAI and vLLM report them
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "Usage":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 # Responses. Built once per reply or chunk; ``exclude_none`` is not used, so absent values are JSON null

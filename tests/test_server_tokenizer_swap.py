@@ -22,6 +22,15 @@ def preprocess_text(http_url: str, tokenizer, text: str) -> str:
     return tokenizer.decode(reply.json()["input_ids"])
 
 
+def input_ids(http_url: str, text: str) -> list[int]:
+    reply = requests.post(f"{http_url}/v2/models/preprocess/generate", json={"text_input": text}, timeout=60)
+    return reply.json()["input_ids"]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def wait_for(condition, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -70,6 +79,10 @@ def test_new_chat_template_takes_over_under_traffic_without_reloading_llm(
         "You are a helpful AI assistant named SmolLM, trained by Hugging Face", PIRATE))
     assert PIRATE not in preprocess_text(http_url, tokenizer, "Hi")
     llm_pids, llm_loads = stubs(server.process.pid).get("llm"), server.loads("llm")
+    ask = {"text_input": "Which sea is the saltiest, and why? Answer in a sentence.", "max_tokens": 2}
+    before = [generate(ask).json() for _ in range(2)]
+    assert before[1]["cached_tokens"] > 0  # the default template's prompt is in the prefix cache
+    old_ids = input_ids(http_url, ask["text_input"])
     assert llm_pids
 
     with Traffic(generate) as traffic:
@@ -81,6 +94,11 @@ def test_new_chat_template_takes_over_under_traffic_without_reloading_llm(
     assert traffic.failures == [] and traffic.done > served_at_swap > 0
     assert PIRATE in preprocess_text(http_url, tokenizer, "Hi")
     assert stubs(server.process.pid).get("llm") == llm_pids and server.loads("llm") == llm_loads
+    # The prefix cache is keyed by token ids: the new template's prompt reuses only the full blocks of ids it
+    # shares with a prompt seen before, the old template's or the traffic's under the new one.
+    new_ids = input_ids(http_url, ask["text_input"])
+    shared = max(common_prefix(new_ids, seen) for seen in (old_ids, input_ids(http_url, "Name a colour.")))
+    assert generate(ask).json()["cached_tokens"] == min(shared, len(new_ids) - 1) // 16 * 16 < before[1]["cached_tokens"]
 
 
 def test_tokenizer_with_another_vocabulary_gets_clear_errors(server, grpc_url, generate, tokenizer_copy, restore_tokenizer):

@@ -21,7 +21,7 @@ from contract.schema import FinishReason
 from contract.stops import partial_stop_length, visible_text
 from llm import LLM, LLMConfig
 from llm.compiles import COMPILATIONS
-from llm.kv import BLOCK_SIZE, blocks_for
+from llm.kv import BLOCK_SIZE, BlockHasher, blocks_for
 from llm.sequence import Overloaded, Sequence
 from llm.service import EngineLoop
 from llm.shapes import Shape, Shapes
@@ -449,3 +449,118 @@ def test_the_port_gives_a_final_only_request_one_update_and_cancels_by_key(llm):
     [whole] = updates["whole"]
     assert whole.finish_reason is FinishReason.LENGTH and len(whole.ids) == whole.completion_tokens == 16
     assert updates["gone"][-1].finish_reason is FinishReason.CANCELLED and updates["gone"][-1].completion_tokens < 16
+
+
+# Prefix caching (llm/kv.py): blocks of an earlier request's prompt and reply, reused.
+
+def random_ids(seed: int, n: int) -> list[int]:
+    return torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def replies(llm: LLM, engine, rounds: list[list[tuple[list[int], int]]], **fields) -> list[list[Sequence]]:
+    """Each round's (prompt, max_tokens) requests, added at once, run to the end before the next round."""
+    return [run(engine, [Sequence(llm.validate(ids, n, ignore_eos=True, **fields)) for ids, n in requests])
+            for requests in rounds]
+
+
+A = random_ids(2, 40)
+SHARING = {  # the second prompt, and the prompt tokens the cache saves it
+    "nothing": (random_ids(3, 40), 0),
+    "part of a block": (A[:10] + random_ids(3, 30), 0),
+    "a block and a part": (A[:20] + random_ids(3, 20), 16),
+    "exactly two blocks": (A[:32] + random_ids(3, 8), 32),
+    "all its tokens": (A, 32),  # never the last token: its logits are needed
+    "all, two whole blocks": (A[:32], 16),
+}
+
+
+@pytest.mark.parametrize("case", SHARING)
+def test_replies_with_the_prefix_cache_are_token_for_token_those_without(model, case):
+    prompt, saved = SHARING[case]
+    rounds = [[(A, 12)], [(prompt, 8)]]
+    cached = tiny(model, max_batched_tokens=12, max_running_requests=4)  # chunks that start inside blocks
+    plain = tiny(model, max_batched_tokens=12, max_running_requests=4, prefix_caching=False)
+    with_cache, without = replies(cached, cached.engine(), rounds), replies(plain, plain.engine(), rounds)
+    assert [[s.output_ids for s in r] for r in with_cache] == [[s.output_ids for s in r] for r in without]
+    assert [r[0].cached_tokens for r in with_cache] == [0, saved]
+    assert [r[0].cached_tokens for r in without] == [0, 0]
+
+
+def test_a_conversations_next_turn_finds_the_reply_it_resends(model):
+    """A's reply (12 tokens) filled blocks too: the next turn, A + reply + a new question, finds them."""
+    cached, plain = tiny(model), tiny(model, prefix_caching=False)
+    engine = cached.engine()
+    first = replies(cached, engine, [[(A, 12)]])[0][0]
+    turn = A + first.output_ids + random_ids(4, 4)  # 56 tokens; keys were written for the first 51
+    second = replies(cached, engine, [[(turn, 8)]])[0][0]
+    assert second.cached_tokens == 48
+    assert second.output_ids == replies(plain, plain.engine(), [[(turn, 8)]])[0][0].output_ids
+
+
+def test_rows_share_cached_blocks_while_other_cached_blocks_are_evicted(model):
+    """13 blocks: P and Q leave 2 cached blocks each; two rows then share P's while two fresh prompts
+    need Q's blocks, which are evicted, the least recently freed first. Every reply is the uncached one."""
+    p, q = random_ids(5, 40), random_ids(6, 40)
+    rounds = [[(p, 8)], [(q, 8)],
+              [(p[:32] + random_ids(7, 8), 8), (p[:32] + random_ids(8, 8), 16), (random_ids(9, 40), 16), (random_ids(10, 40), 16)]]
+    cached, plain = tiny(model, max_tokens_limit=16), tiny(model, max_tokens_limit=16, prefix_caching=False)
+    engine = cached.engine()
+    hashes = [engine.hasher.chain(engine.hasher.root(None), ids) for ids in (p, q)]
+    replies(cached, engine, rounds[:2])
+    table = engine.scheduler.blocks
+    assert len(table.cached(hashes[0])) == len(table.cached(hashes[1])) == 2 and table.used_tokens == 0
+    last = [Sequence(cached.validate(ids, n, ignore_eos=True)) for ids, n in rounds[2]]
+    for seq in last:
+        engine.add(seq)
+    engine.step()
+    assert engine.running == last  # shared blocks counted once: 1 + 2 + 4 + 4 new blocks, 2 shared, 2 evicted
+    assert table.cached(hashes[1]) == [] and len(table.cached(hashes[0])) == 2
+    assert table.used_tokens == 13 * BLOCK_SIZE
+    run(engine, [])
+    assert [s.cached_tokens for s in last] == [32, 32, 0, 0]
+    assert [s.output_ids for s in last] == [s.output_ids for s in replies(plain, plain.engine(), rounds)[2]]
+    assert engine.kv_tokens == 0
+
+
+def test_the_kv_budget_counts_a_shared_block_once(model):
+    """6 blocks: two requests of 4 blocks each fit at once only because they share 2."""
+    p = random_ids(11, 40)
+    for caching, admitted in ((True, 2), (False, 1)):
+        llm = tiny(model, kv_cache_tokens=6 * BLOCK_SIZE, prefix_caching=caching)
+        engine = llm.engine()
+        replies(llm, engine, [[(p, 8)]])
+        for tail in (12, 13):
+            engine.add(Sequence(llm.validate(p[:32] + random_ids(tail, 8), 16)))
+        engine.step()
+        assert len(engine.running) == admitted
+        assert engine.kv_tokens == (4 + 4 - 2 if caching else 4) * BLOCK_SIZE
+
+
+def test_requests_share_cached_blocks_only_with_their_own_cache_salt(model, llm):
+    engine = llm.engine()
+    salts = [None, "tenant-a", "tenant-b", "tenant-a", None]
+    seqs = [replies(llm, engine, [[(A, 4)]], cache_salt=salt)[0][0] for salt in salts]
+    assert [s.cached_tokens for s in seqs] == [0, 0, 0, 32, 32]
+    assert len({s.output_ids[0] for s in seqs}) == 1
+
+
+def test_a_failed_step_or_prefix_caching_off_leaves_nothing_to_reuse(model, llm):
+    engine = llm.engine()
+    replies(llm, engine, [[(A, 4)]])
+    assert engine.scheduler.blocks.cached_blocks == 2
+    engine.fail_all("a device error")
+    assert engine.scheduler.blocks.cached_blocks == 0
+    assert replies(llm, engine, [[(A, 4)]])[0][0].cached_tokens == 0
+    off = tiny(model, prefix_caching=False)
+    engine = off.engine()
+    assert [replies(off, engine, [[(A, 4)]])[0][0].cached_tokens for _ in range(2)] == [0, 0]
+    assert engine.scheduler.blocks.cached_blocks == 0
+
+
+def test_block_hashes_chain_and_name_the_model_and_the_salt():
+    one, other = BlockHasher("model\0torch.float32\0abc"), BlockHasher("model\0torch.bfloat16\0abc")
+    assert one.root(None) != other.root(None) and one.root(None) != one.root("salt") != one.root("salt2")
+    chain = one.chain(one.root(None), A)
+    assert len(chain) == 2 and chain == one.chain(one.root(None), A[:39])  # full blocks only
+    assert one.chain(one.root(None), A[16:32]) != chain[1:]  # a block's hash depends on every block before it
+    assert one.chain(chain[0], A[16:32]) == chain[1:]

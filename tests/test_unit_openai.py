@@ -94,11 +94,12 @@ def test_chat_chunks_leave_out_what_a_delta_lacks_and_usage_unless_asked():
 def test_completion_logprobs_take_the_legacy_shape_with_text_offsets():
     reply = CompletionReply(CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 1}), "m")
     dot = {**ITEM, "token": ".", "bytes": [46], "logprob": -0.5, "top_logprobs": []}
-    whole = reply.whole([(" Paris.", "stop", [ITEM, dot])], Usage.of(5, 2))
+    whole = reply.whole([(" Paris.", "stop", [ITEM, dot])], Usage.of(5, 2, 0))
     logprobs = whole["choices"][0]["logprobs"]
     assert logprobs == {"tokens": [" Paris", "."], "token_logprobs": [-0.25, -0.5],
                         "top_logprobs": [{" Paris": -0.25}, {}], "text_offset": [0, 6]}
-    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_error_locations_drop_union_member_names():

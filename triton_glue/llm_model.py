@@ -81,7 +81,7 @@ class TritonPythonModel:
         gpu = args["model_instance_kind"] == "GPU"
         device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
         instances = sum(group.get("count", 1) for group in model_config["instance_group"])
-        metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens)
+        metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens, config.prefix_caching)
 
         def build():  # on the engine thread, where all of torch's work happens (llm/service.py says why)
             progress = Progress(pb_utils.Logger.log_info)
@@ -187,6 +187,7 @@ class TritonPythonModel:
                 sent_tokens=np.array([[update.context]], dtype=np.int32),
                 completion_tokens=np.array([[update.completion_tokens]], dtype=np.int32),
                 prompt_tokens=np.array([[len(request.input_ids)]], dtype=np.int32),
+                cached_tokens=np.array([[update.cached_tokens]], dtype=np.int32),
                 finish_reason=np.array([[update.finish_reason.value.encode() if finished else b""]], dtype=np.object_),
                 tokenizer_fingerprint=self.fingerprint,
                 stop=np.array([[s.encode() for s in request.stop]], dtype=np.object_).reshape(1, -1),

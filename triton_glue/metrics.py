@@ -19,7 +19,7 @@ TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
 class TritonMetrics(Metrics):
-    def __init__(self, model: str, version: str, kv_cache_tokens: int) -> None:
+    def __init__(self, model: str, version: str, kv_cache_tokens: int, prefix_caching: bool) -> None:
         labels = {"model": model, "version": version}
         families = []  # a family must outlive its metrics, so it lives as long as this object
 
@@ -31,7 +31,14 @@ class TritonMetrics(Metrics):
         counter, gauge, histogram = (
             pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
         )
-        self.prompt_tokens = _metric("llm_prompt_tokens_total", "Prompt tokens prefilled", counter, labels)
+        self.prompt_tokens = _metric("llm_prompt_tokens_total", "Prompt tokens of admitted requests (cached ones "
+                                     "included)", counter, labels)
+        self.prefix_queries = _metric("llm_prefix_cache_queries_tokens_total", "Prompt tokens looked up in the prefix "
+                                      "cache (every admitted prompt's, while prefix_caching is on)", counter, labels)
+        self.prefix_hits = _metric("llm_prefix_cache_hits_tokens_total", "Prompt tokens found in the prefix cache: "
+                                   "their prefill was skipped; hits / queries = hit rate", counter, labels)
+        self.prefix_blocks = _metric("llm_prefix_cache_blocks", "KV blocks (16 slots) holding registered prefixes, in "
+                                     "use or evictable", gauge, labels)
         self.generation_tokens = _metric("llm_generation_tokens_total", "Tokens generated", counter, labels)
         self.forwards = _metric(
             "llm_forward_passes_total", "Forward passes (decode rows and prompt chunks together); tokens / passes = batch", counter, labels
@@ -60,10 +67,11 @@ class TritonMetrics(Metrics):
         )
 
         self._lock = threading.Lock()  # the engine thread records, the responder flushes, execute rejects
-        self._counts = {"prompt": 0, "generation": 0, "forwards": 0, "rejections": 0}
+        self._counts = {"prompt": 0, "generation": 0, "forwards": 0, "rejections": 0, "queries": 0, "hits": 0}
+        self._prefix_caching = prefix_caching
         self._first: list[float] = []
         self._later: list[float] = []
-        self._gauges: tuple[int, int, int] | None = None
+        self._gauges: tuple[int, int, int, int] | None = None
         self._compiled = 0  # COMPILATIONS.count as last published
 
     def loaded(self, cuda_graphs: int) -> None:
@@ -80,9 +88,11 @@ class TritonMetrics(Metrics):
             self.compilations.increment(count - self._compiled)
             self._compiled = count
 
-    def admitted(self, prompt_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
         with self._lock:
             self._counts["prompt"] += prompt_tokens
+            self._counts["queries"] += prompt_tokens if self._prefix_caching else 0
+            self._counts["hits"] += cached_tokens
 
     def tokens(self, first: list[float], later: list[float]) -> None:
         with self._lock:
@@ -98,21 +108,22 @@ class TritonMetrics(Metrics):
         with self._lock:
             self._counts["rejections"] += 1
 
-    def step(self, running: int, waiting: int, kv_tokens: int) -> None:
-        self._gauges = (running, waiting, kv_tokens)
+    def step(self, running: int, waiting: int, kv_tokens: int, cached_blocks: int) -> None:
+        self._gauges = (running, waiting, kv_tokens, cached_blocks)
 
     def flush(self) -> None:
         with self._lock:
             counts, first, later, gauges = self._counts, self._first, self._later, self._gauges
             self._counts, self._first, self._later, self._gauges = dict.fromkeys(counts, 0), [], [], None
         for counter, name in ((self.prompt_tokens, "prompt"), (self.generation_tokens, "generation"),
-                              (self.forwards, "forwards"), (self.rejections, "rejections")):
+                              (self.forwards, "forwards"), (self.rejections, "rejections"),
+                              (self.prefix_queries, "queries"), (self.prefix_hits, "hits")):
             if counts[name]:
                 counter.increment(counts[name])
         for histogram, values in ((self.ttft, first), (self.tpot, later)):
             for seconds in values:
                 histogram.observe(seconds)
         if gauges is not None:
-            for gauge, value in zip((self.running, self.waiting, self.kv_tokens), gauges):
+            for gauge, value in zip((self.running, self.waiting, self.kv_tokens, self.prefix_blocks), gauges):
                 gauge.set(value)
         self._publish_compilations()

@@ -26,6 +26,7 @@ def _chunk(request, text: str, token_logprobs: bytes, finish_reason: bytes,
         prompt_token_logprobs=np.array([[prompt_token_logprobs]], dtype=np.object_),
         completion_tokens=np.array([[scalar(request, "completion_tokens") or 0]], dtype=np.int32),
         prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
+        cached_tokens=np.array([[scalar(request, "cached_tokens") or 0]], dtype=np.int32),
         finish_reason=np.array([[finish_reason]], dtype=np.object_),
     )
 
