@@ -11,7 +11,9 @@ Systems, all on the same weights and the same seeded prompts:
   in full mode vLLM's ``guidellm`` driving that endpoint too (``bench/guidellm.py``);
 - ``llama_server_bf16`` and ``llama_server_f32``: llama.cpp's server (full mode), and ``vllm``, vLLM's CPU
   build, where it runs here (``bench/peers.py``);
-- the roofline: this machine's measured limit in each system's dtype.
+- the roofline: this machine's measured limit in each system's dtype;
+- the multi-turn ``chat`` workload (``bench/chat.py``): our OpenAI endpoint with prefix caching on and off,
+  and in full mode llama-server (ours's dtype) and vLLM, each with its prompt or prefix cache on.
 
 Writes ``results.json``, ``results.md`` and PNG plots to ``--out``.
 """
@@ -33,7 +35,7 @@ import aiohttp
 import torch
 import tritonclient.grpc.aio as grpcaio
 
-from bench import guidellm, load, peers, perf_analyzer, report, roofline, stall, workload
+from bench import chat, guidellm, load, peers, perf_analyzer, report, roofline, stall, workload
 from bench.static_llm import StaticGenerator
 from launcher.frontend import OpenAIFrontend
 from launcher.model import prepare_default_model
@@ -56,6 +58,10 @@ class Plan:
     openai_concurrency: tuple[int, ...]  # openai_http (fixed workload), and guidellm in full mode
     sampled_concurrency: tuple[int, ...]  # ensemble_http on the sampled workload (every row through the sampler)
     structured_concurrency: tuple[int, ...]  # ensemble_http on the structured workload (a JSON schema on every row)
+    chat_concurrency: tuple[int, ...]  # the multi-turn chat workload, on every system that runs it
+    chat_turns: int
+    chat_tokens: int  # each reply
+    chat_cache_off: bool  # also our endpoint with prefix caching off (a second server start)
     fixed_tokens: int
     variable_tokens: tuple[int, int]
     perf_analyzer: bool
@@ -67,9 +73,10 @@ class Plan:
         return max(8, self.rounds * concurrency)
 
 
-QUICK = Plan((1, 4), (1, 4), (1, 4), (4,), (4,), 16, (4, 32), perf_analyzer=False, peers=False, third_party=False, rounds=1)
-FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), (16, 64), (1, 16), 64, (8, 128), perf_analyzer=True, peers=True,
-            third_party=True, rounds=2)
+QUICK = Plan((1, 4), (1, 4), (1, 4), (4,), (4,), (4,), 3, 16, False, 16, (4, 32), perf_analyzer=False, peers=False,
+             third_party=False, rounds=1)
+FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), (16, 64), (1, 16), (4, 16), 6, 48, True, 64, (8, 128),
+            perf_analyzer=True, peers=True, third_party=True, rounds=2)
 
 
 def machine() -> dict:
@@ -220,19 +227,35 @@ def static_repository(target: Path) -> Path:
     return repository_variant(target, delay, Path(__file__).parent / "static_model.py")
 
 
-def start(repository: Path, model_dir: Path, out: Path, name: str, config_name: str) -> tuple[TritonServer, float]:
-    server = TritonServer(ports=Ports.free(), model_repository=repository, model_env={"MODEL_DIR": str(model_dir)},
+def start(repository: Path, model_dir: Path, out: Path, name: str, config_name: str,
+          **env: str) -> tuple[TritonServer, float]:
+    server = TritonServer(ports=Ports.free(), model_repository=repository, model_env={"MODEL_DIR": str(model_dir), **env},
                           log_path=out / f"{name}.log", model_config_name=config_name)
     began = time.perf_counter()
     server.start().wait_ready(900)
     return server, time.perf_counter() - began
 
 
-def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, out: Path) -> tuple[list[dict], list[dict]]:
-    """llama-server (F32 and BF16) and vLLM, one at a time; a peer that cannot run says why."""
+def chat_points(system: str, dtype: str, url: str, model: str, plan: Plan, prefix_caching: bool,
+                fresh_connections: bool = False) -> list[dict]:
+    """The multi-turn chat workload on one system, at each of the plan's concurrencies."""
+    rows = []
+    for c in plan.chat_concurrency:
+        measured = asyncio.run(chat.measure(url, model, c, plan.chat_turns, plan.chat_tokens, fresh_connections))
+        rows.append({"system": system, "dtype": dtype, "prefix_caching": prefix_caching, **measured})
+        log.info("%s chat c=%d (prefix caching %s): %.1f tok/s, TTFT p50 first %.0f ms, later %.0f ms", system, c,
+                 "on" if prefix_caching else "off", measured["tokens_per_s"], measured["ttft_p50_first_ms"],
+                 measured["ttft_p50_later_ms"])
+    return rows
+
+
+def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, out: Path,
+              chat_context: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """llama-server (F32 and BF16) and vLLM, one at a time; a peer that cannot run says why. The chat
+    workload runs on vLLM and on the llama-server of our dtype."""
     slots = max(plan.concurrency)
-    context = max(len(ids[i.text_input]) + i.max_tokens for items in sets.values() for i in items) + 16
-    points, notes = [], []
+    context = max(chat_context, max(len(ids[i.text_input]) + i.max_tokens for items in sets.values() for i in items) + 16)
+    points, notes, chats = [], [], []
     bin_dir = peers.build_llama_cpp(out)
     for gguf_dtype in ("BF16", "F32"):
         server = peers.llama_server(bin_dir, peers.llama_gguf(bin_dir, gguf_dtype, out), gguf_dtype, slots, context, out)
@@ -240,6 +263,8 @@ def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, ou
             server.wait_ready(300)
             found, check = asyncio.run(sweep_peer(server, sets, plan, ids))
             points += found
+            if gguf_dtype.lower() == {"bfloat16": "bf16"}.get(dtype, "f32"):
+                chats += chat_points(server.name, server.dtype, server.url, server.model, plan, True, fresh_connections=True)
             notes.append({"system": server.name, "status": f"ran; prompt tokens agree with ours on {check['prompts']} "
                           f"prompts: {'yes' if check['agree'] else 'no'}", "prompt_check": check})
         except Exception as e:  # a peer that fails is reported, never hidden
@@ -249,12 +274,13 @@ def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, ou
     python = peers.install_vllm(out)
     if python is None:
         notes.append({"system": "vllm", "status": f"could not be installed: see vllm-install.log ({peers.VLLM})"})
-        return points, notes
+        return points, notes, chats
     server = peers.vllm_server(python, model_dir, dtype, slots, context, out)
     try:
         server.wait_ready(900)
         found, check = asyncio.run(sweep_peer(server, sets, plan, ids))
         points += found
+        chats += chat_points(server.name, server.dtype, server.url, server.model, plan, True)
         notes.append({"system": "vllm", "status": f"ran ({peers.VLLM}); prompt tokens agree: {check['agree']}",
                       "prompt_check": check})
     except Exception as e:
@@ -262,7 +288,7 @@ def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, ou
         notes.append({"system": "vllm", "status": f"failed: {e}; last lines of vllm.log: {' | '.join(tail)}"})
     finally:
         server.stop()
-    return points, notes
+    return points, notes, chats
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
            for items in sets.values() for i in items}
     contexts = {name: sum(len(ids[i.text_input]) + i.max_tokens / 2 for i in items) / len(items)
                 for name, items in (sets | sampled | structured).items()}
+    # A conversation's last turn: the system prompt, then each turn's question (under 64 tokens with the
+    # template's markers) and reply.
+    chat_context = len(preprocessor.encode(PromptRequest(chat.system_prompt().encode())).input_ids) \
+        + plan.chat_turns * (64 + plan.chat_tokens)
 
     config = LLMConfig(str(model_dir), max_tokens_limit=512, compile=False)
     hf = load_model(config, device)
@@ -318,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             frontend.wait_ready()
             points += asyncio.run(sweep_openai(frontend, dtype, sets, plan))
+            chats = chat_points("openai_http", dtype, frontend.url, frontend.model_name, plan, True)
             if plan.third_party:  # full mode: a third-party tool on the same endpoint and workload
                 found, note = guidellm.sweep(frontend, sets["fixed"], plan.openai_concurrency, plan.requests, dtype,
                                            model_dir, out)
@@ -335,6 +366,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
 
+    if plan.chat_cache_off:
+        uncached, _ = start(MODEL_REPOSITORY, model_dir, out, "ensemble-no-prefix-caching", config_name, PREFIX_CACHING="false")
+        try:
+            frontend = OpenAIFrontend(uncached, model_dir.name, log_path=out / "openai-no-prefix-caching.log",
+                                      port=free_port()).start()
+            try:
+                frontend.wait_ready()
+                chats += chat_points("openai_http", dtype, frontend.url, frontend.model_name, plan, False)
+            finally:
+                frontend.stop()
+        finally:
+            uncached.stop()
+
     static, _ = start(static_repository(CACHE_DIR / "bench" / "static_repo"), model_dir, out, "static", config_name)
     try:
         points += asyncio.run(sweep_triton("static", dtype, static, sets, plan, plan.baseline_concurrency))
@@ -343,9 +387,10 @@ def main(argv: list[str] | None = None) -> int:
 
     peer_notes: list[dict] = tool_notes
     if plan.peers:
-        found, notes = run_peers(plan, sets, ids, model_dir, dtype, out)
+        found, notes, peer_chats = run_peers(plan, sets, ids, model_dir, dtype, out, chat_context)
         points += found
         peer_notes += notes
+        chats += peer_chats
 
     points = report.with_ratios(points, limits, contexts)
     results = {
@@ -358,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "points": points,
         "targets": report.targets(points),
         "openai": report.openai_rows(points),
+        "chat": chats,
+        "chat_targets": report.chat_targets(chats),
         "peers": peer_notes,
         "ensemble_overhead": overhead,
         "grammar_build_ms": grammar_build,

@@ -153,7 +153,8 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, slots: int, context_p
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
            "--port", port, "--dtype", dtype, "--max-num-seqs", slots, "--max-model-len", context_per_slot,
-           "--tokenizer", vllm_tokenizer(model_dir), "--served-model-name", "smollm2"]
+           "--tokenizer", vllm_tokenizer(model_dir), "--served-model-name", "smollm2",
+           "--enable-prefix-caching", "--enable-prompt-tokens-details"]  # its default, said; cached_tokens in usage
     out = open(logs / "vllm.log", "wb")
     process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, env=env)
     return OpenAIServer("vllm", dtype, f"http://127.0.0.1:{port}", process, "smollm2")

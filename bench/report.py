@@ -92,6 +92,26 @@ def openai_rows(points: list[dict]) -> list[dict]:
     return rows
 
 
+def chat_targets(rows: list[dict]) -> list[dict]:
+    """Issue 24's goals on the chat workload: our later turns no slower than 1.2x our first turns, and our
+    later-turn TTFT p50 and throughput ahead of every peer that ran, at each concurrency."""
+    ours = {r["concurrency"]: r for r in rows if r["system"] == "openai_http" and r["prefix_caching"]}
+    found = []
+    for c, us in sorted(ours.items()):
+        found.append({"target": f"chat c={c}: later-turn / first-turn TTFT p50 (ours)", "ratio": us["later_over_first"],
+                      "goal": "<= 1.2", "met": us["later_over_first"] <= 1.2,
+                      "detail": f"{us['ttft_p50_later_ms']:.0f} / {us['ttft_p50_first_ms']:.0f} ms"})
+        for peer in (r for r in rows if r["concurrency"] == c and r["system"] != "openai_http"):
+            later = us["ttft_p50_later_ms"] / peer["ttft_p50_later_ms"]
+            found.append({"target": f"chat c={c}: later-turn TTFT p50, ours / {peer['system']}", "ratio": later,
+                          "goal": "< 1", "met": later < 1,
+                          "detail": f"{us['ttft_p50_later_ms']:.0f} vs {peer['ttft_p50_later_ms']:.0f} ms"})
+            rate = us["tokens_per_s"] / peer["tokens_per_s"]
+            found.append({"target": f"chat c={c}: throughput, ours / {peer['system']}", "ratio": rate, "goal": "> 1",
+                          "met": rate > 1, "detail": f"{us['tokens_per_s']:.1f} vs {peer['tokens_per_s']:.1f} tok/s"})
+    return found
+
+
 def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
@@ -141,6 +161,27 @@ def markdown(results: dict) -> str:
                   f"{_ratio(r['vs_generate_stream'])} | {num(r['ttft_added_ms'], '+.0f')} | {num(r['guidellm_tokens_per_s'], '.1f')} | "
                   f"{_ratio(r['guidellm_vs_ours'])} |" for r in results["openai"]]
         lines.append("")
+    if results.get("chat"):
+        r0 = results["chat"][0]
+        lines += [f"**chat** workload (`bench/chat.py`: at concurrency c, 2c conversations of {r0['turns'] // r0['conversations']} "
+                  f"turns over one ~400-token system prompt, each turn re-sending the history; {r0['max_tokens']}-token "
+                  "replies, streamed `/v1/chat/completions`, closed loop):", "",
+                  "| system | dtype | prefix cache | concurrency | tok/s | TTFT p50 first turns ms | later turns ms | "
+                  "later / first | TTFT p99 ms | mean prompt tokens | prompt tokens cached | client CPU % |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        order = lambda r: (ORDER.index(r["system"]), not r["prefix_caching"], r["concurrency"])  # noqa: E731
+        for r in sorted(results["chat"], key=order):
+            share = "" if r["cached_share"] is None else f"{100 * r['cached_share']:.0f}%"
+            lines.append(f"| {r['system']} | {r['dtype']} | {'on' if r['prefix_caching'] else 'off'} | {r['concurrency']} | "
+                         f"{r['tokens_per_s']:.1f} | {r['ttft_p50_first_ms']:.0f} | {r['ttft_p50_later_ms']:.0f} | "
+                         f"{r['later_over_first']:.2f}x | {r['ttft_p99_ms']:.0f} | {r['prompt_tokens_mean']:.0f} | {share} | "
+                         f"{r['client_cpu_pct']:.1f} |")
+        lines.append("")
+        if results.get("chat_targets"):
+            lines += ["Goals on the chat workload:", "", "| goal | measured | required | met |", "|---|---|---|---|"]
+            lines += [f"| {t['target']} | {_ratio(t['ratio'])} ({t['detail']}) | {t['goal']} | "
+                      f"{'yes' if t['met'] else '**no**'} |" for t in results["chat_targets"]]
+            lines.append("")
     for peer in results.get("peers", []):
         lines.append(f"- {peer['system']}: {peer['status']}")
     lines += ["", f"Server side (Triton statistics, mean ms per request, `{OURS}`):", "",

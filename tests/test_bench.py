@@ -123,10 +123,21 @@ def test_quick_benchmark_writes_a_well_formed_table_plots_and_json(tmp_path, mod
     assert stall["fresh_schemas"] >= 1 and stall["cached_p99_ms"] > 0 and stall["p99_ratio"] > 0
     assert results["targets"] == [] and results["peers"] == []  # quick mode runs no peer and no c=16
     assert [r["concurrency"] for r in results["openai"]] == list(plan["openai_concurrency"])
+    # The multi-turn chat workload: our endpoint with prefix caching on (off needs a second server: full mode).
+    chats = results["chat"]
+    assert [(r["system"], r["prefix_caching"], r["concurrency"]) for r in chats] == [
+        ("openai_http", True, c) for c in plan["chat_concurrency"]]
+    for r in chats:
+        assert r["conversations"] == 2 * r["concurrency"] and r["turns"] == r["conversations"] * plan["chat_turns"]
+        assert r["output_tokens"] == r["turns"] * plan["chat_tokens"]
+        assert r["ttft_p50_first_ms"] > 0 and r["ttft_p50_later_ms"] > 0 and 0 < r["cached_share"] < 1
+    assert [t["target"] for t in results["chat_targets"]] == [
+        f"chat c={c}: later-turn / first-turn TTFT p50 (ours)" for c in plan["chat_concurrency"]]
     assert all(r["vs_generate_stream"] > 0 and r["guidellm_tokens_per_s"] is None for r in results["openai"])
     table = (tmp_path / "results.md").read_text()
     assert "| concurrency | generate_stream tok/s | OpenAI tok/s (ours) |" in table
     assert "| system | dtype | concurrency | tok/s |" in table and "TTFT p50 ms" in table and "**sampled** workload" in table
+    assert "**chat** workload" in table and "| system | dtype | prefix cache | concurrency |" in table
     for plot in ("fixed.png", "variable.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
