@@ -209,7 +209,7 @@ LLM_OUTPUTS = (
     Field("sent_tokens", "TYPE_INT32", optional=False),
     Field("completion_tokens", "TYPE_INT32", optional=False, help="every id generated so far"),
     Field("prompt_tokens", "TYPE_INT32", optional=False),
-    Field("cached_tokens", "TYPE_INT32", optional=False, help="of those, found in the prefix cache"),
+    Field("cached_tokens", "TYPE_INT32", help="of those, found in the prefix cache"),
     Field("finish_reason", "TYPE_STRING", optional=False, help="empty until the last response"),
     Field("tokenizer_fingerprint", "TYPE_STRING", optional=False, help="the model's vocabulary, for postprocess"),
     Field("stop", "TYPE_STRING", (-1,), ragged=True, help="the validated stop strings: postprocess cuts the text "

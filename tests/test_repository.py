@@ -154,7 +154,8 @@ def test_client_sends_exactly_the_ensemble_input_names():
                     repetition_penalty=1.1, seed=7, stop=["\n"], ignore_eos=True, presence_penalty=0.1,
                     frequency_penalty=0.2, logprobs=True, top_logprobs=2, prompt_logprobs=1, min_p=0.1,
                     logit_bias={"5": -100}, min_tokens=2, stop_token_ids=[7], structured_outputs={"regex": "a"},
-                    tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="f", parallel_tool_calls=False)
+                    tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="f", parallel_tool_calls=False,
+                    cache_salt="tenant")
     names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
     conversation = Prompt(messages=[{"role": "user", "content": "hi"}])
     assert {i.name() for i in build_inputs(httpclient, conversation)} == {"messages"}

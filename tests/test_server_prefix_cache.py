@@ -1,7 +1,8 @@
 """Prefix caching on a real server: a conversation's next turn finds its earlier turns in the cache, says so
 in usage (OpenAI's ``prompt_tokens_details.cached_tokens``) and in Triton's ``cached_tokens``, and replies
-exactly as without the cache. float32, where a greedy reply does not depend on the batch (conftest.py);
-a fresh ``cache_salt`` gives the same request without the cache on the same server."""
+exactly as without the cache: in float32 (conftest.server), where a greedy reply depends neither on the
+batch nor on what the cache held. A fresh ``cache_salt`` gives the same request without the cache on the
+same server."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ QUESTIONS = ["Which book tells the story of a river?", "And one about mountains?
 
 
 @pytest.fixture
-def client(float32_frontend):
-    with openai.OpenAI(base_url=f"{float32_frontend.url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+def client(openai_frontend):
+    with openai.OpenAI(base_url=f"{openai_frontend.url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
         yield c
 
 
@@ -40,10 +41,10 @@ def chat(client, messages: list[dict], salt: str, stream: bool = False) -> tuple
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_each_turn_finds_the_conversation_so_far_and_replies_as_without_the_cache(client, float32_server, stream):
+def test_each_turn_finds_the_conversation_so_far_and_replies_as_without_the_cache(client, server, stream):
     salt, messages, asked = uuid.uuid4().hex, [{"role": "system", "content": SYSTEM}], []
-    hits = metric_value(float32_server, "llm_prefix_cache_hits_tokens_total")
-    queries = metric_value(float32_server, "llm_prefix_cache_queries_tokens_total")
+    hits = metric_value(server, "llm_prefix_cache_hits_tokens_total")
+    queries = metric_value(server, "llm_prefix_cache_queries_tokens_total")
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
         text, usage = chat(client, messages, salt, stream)
@@ -60,13 +61,13 @@ def test_each_turn_finds_the_conversation_so_far_and_replies_as_without_the_cach
         messages.append({"role": "assistant", "content": text})
     saved = sum(u.prompt_tokens_details.cached_tokens for u in asked)
     assert saved > 0
-    assert metric_value(float32_server, "llm_prefix_cache_hits_tokens_total") - hits == saved
-    assert metric_value(float32_server, "llm_prefix_cache_queries_tokens_total") - queries == 2 * sum(u.prompt_tokens for u in asked)
-    assert metric_value(float32_server, "llm_prefix_cache_blocks") > 0
+    assert metric_value(server, "llm_prefix_cache_hits_tokens_total") - hits == saved
+    assert metric_value(server, "llm_prefix_cache_queries_tokens_total") - queries == 2 * sum(u.prompt_tokens for u in asked)
+    assert metric_value(server, "llm_prefix_cache_blocks") > 0
 
 
-def test_tritons_api_reports_cached_tokens_and_a_salt_keeps_requests_apart(float32_server):
-    url = f"{float32_server.url}/v2/models/ensemble/generate"
+def test_tritons_api_reports_cached_tokens_and_a_salt_keeps_requests_apart(server):
+    url = f"{server.url}/v2/models/ensemble/generate"
     body = {"text_input": "Name three rivers of Europe and say which is longest. " * 4, "max_tokens": 8}
     salts = [uuid.uuid4().hex, uuid.uuid4().hex]
     replies = [requests.post(url, json=body | {"cache_salt": salt}, timeout=120).json() for salt in salts + salts]
@@ -78,8 +79,8 @@ def test_tritons_api_reports_cached_tokens_and_a_salt_keeps_requests_apart(float
 
 @pytest.mark.parametrize("salt, message", [("", "cache_salt must be 1 to 256 bytes of UTF-8, got 0"),
                                            ("x" * 257, "cache_salt must be 1 to 256 bytes of UTF-8, got 257")])
-def test_a_bad_cache_salt_is_refused_naming_the_field(float32_server, client, salt, message):
-    reply = requests.post(f"{float32_server.url}/v2/models/ensemble/generate",
+def test_a_bad_cache_salt_is_refused_naming_the_field(server, client, salt, message):
+    reply = requests.post(f"{server.url}/v2/models/ensemble/generate",
                           json={"text_input": "Hi", "max_tokens": 2, "cache_salt": salt}, timeout=60)
     assert reply.status_code == 400 and message in reply.json()["error"]
     with pytest.raises(openai.BadRequestError, match=message):

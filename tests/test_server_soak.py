@@ -102,9 +102,9 @@ def grpc_stream(address: str, n: int) -> Outcome:
     return Outcome("grpc stream", n, text, echoed_id=all(r.get_response().id == request_id for r, _ in answers))
 
 
-def test_soak_above_capacity_loses_nothing_and_mixes_nothing_up(float32_server):
-    """In float32, where a greedy reply does not depend on its batch-mates (conftest.float32_server)."""
-    server, http_url = float32_server, float32_server.url
+def test_soak_above_capacity_loses_nothing_and_mixes_nothing_up(server):
+    """In float32, where a greedy reply does not depend on its batch-mates (conftest.server)."""
+    http_url = server.url
 
     def llm_metric(name: str) -> float:
         return metric_value(server, name)
