@@ -107,6 +107,7 @@ SEED_LIMIT = 2**63 - 1
 TOP_LOGPROBS_LIMIT = 5  # as OpenAI's legacy completions API allows (its chat API documents 20)
 STOP_TOKEN_IDS_LIMIT = 64
 LOGIT_BIAS_LIMIT = 300  # tokens one request may bias
+CACHE_SALT_BYTES_LIMIT = 256
 
 # A request to ``ensemble`` (streaming) or ``ensemble_infer`` (one response). All optional; a request
 # needs text_input or messages. preprocess checks the text fields' limits, llm the rest (``Field.check``).
@@ -165,7 +166,8 @@ REQUEST = (
     Field("ignore_eos", "TYPE_BOOL", to=LLM, default=False, openai=True,
           help="true generates exactly max_tokens tokens, past the end-of-turn token (benchmarks and load tests)"),
     Field("cache_salt", "TYPE_STRING", to=LLM, openai=True, help="vLLM's: only requests with the same salt share "
-          "prefix-cache blocks, so a tenant's prompts cannot be probed by timing another's (at most 256 bytes)"),
+          "prefix-cache blocks, so a tenant's prompts cannot be probed by timing another's (1 to "
+          f"{CACHE_SALT_BYTES_LIMIT} bytes)"),
     Field("stream", "TYPE_BOOL", to=LLM, default=False,
           help="ensemble only (ensemble_infer always answers once): true sends the reply a chunk of text at a time"),
     Field("logprobs", "TYPE_BOOL", to=LLM, default=False, help="true returns each generated token's log-probability "

@@ -13,11 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any, get_origin
 
 from contract.errors import InvalidInput, decode_utf8
-from contract.schema import PYTHON_TYPES, llm_fields
+from contract.schema import CACHE_SALT_BYTES_LIMIT, PYTHON_TYPES, llm_fields
 from contract.grammar import llguidance_grammar
 
 FIELDS = {f.name: f for f in llm_fields()}
-MAX_CACHE_SALT_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -164,8 +163,8 @@ def _cache_salt(raw: str | bytes | None) -> str | None:
     if raw is None:
         return None
     text = decode_utf8("cache_salt", raw) if isinstance(raw, bytes) else raw
-    if not text or len(text.encode()) > MAX_CACHE_SALT_BYTES:
-        raise InvalidInput(f"cache_salt must be 1 to {MAX_CACHE_SALT_BYTES} bytes of UTF-8, got {len(text.encode())}")
+    if not text or len(text.encode()) > CACHE_SALT_BYTES_LIMIT:
+        raise InvalidInput(f"cache_salt must be 1 to {CACHE_SALT_BYTES_LIMIT} bytes of UTF-8, got {len(text.encode())}")
     return text
 
 

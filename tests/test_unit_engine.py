@@ -338,6 +338,9 @@ def test_a_cancelled_row_leaves_at_the_next_step(llm):
         ([1], {"stop": [b"\xff"]}, r"stop\[0\] is not valid UTF-8"),
         ([1], {"tokenizer_fingerprint": "x"}, "does not match the llm model's vocabulary"),
         ([1], {"prompt_logprobs": 6}, r"prompt_logprobs must be in \[0, 5\], got 6"),
+        ([1], {"cache_salt": b""}, "cache_salt must be 1 to 256 bytes of UTF-8, got 0"),
+        ([1], {"cache_salt": "é" * 129}, "cache_salt must be 1 to 256 bytes of UTF-8, got 258"),
+        ([1], {"cache_salt": b"\xff"}, "cache_salt is not valid UTF-8"),
     ],
 )
 def test_invalid_requests_name_the_field_and_limit(llm, ids, kwargs, message):
