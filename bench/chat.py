@@ -13,7 +13,6 @@ slower as it grows.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
+from bench.load import chat_events
 from bench.workload import WORDS
 
 TOPICS = ("the river", "the old library", "the harbor", "the mountain road", "the village market", "the storm")
@@ -67,22 +67,15 @@ class ChatRun:
 
 async def _turn(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict], max_tokens: int
                 ) -> tuple[str, Turn]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
     begin, first, text, usage, cache_n = time.perf_counter(), None, [], None, None
-    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
-        if reply.status != 200:
-            raise RuntimeError(f"chat completion failed: {reply.status} {await reply.text()}")
-        async for line in reply.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            data = json.loads(line[6:])
-            delta = data["choices"][0]["delta"].get("content") if data.get("choices") else None
-            if delta:
-                first = first or time.perf_counter() - begin
-                text.append(delta)
-            usage = data.get("usage") or usage
-            cache_n = (data.get("timings") or {}).get("cache_n", cache_n)  # llama-server's count of reused tokens
+    async for data in chat_events(session, url, body):
+        delta = data["choices"][0]["delta"].get("content") if data.get("choices") else None
+        if delta:
+            first = first or time.perf_counter() - begin
+            text.append(delta)
+        usage = data.get("usage") or usage
+        cache_n = (data.get("timings") or {}).get("cache_n", cache_n)  # llama-server's count of reused tokens
     if usage is None:
         raise RuntimeError("chat completion stream ended without usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cache_n)

@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import numpy as np
@@ -101,24 +101,29 @@ def openai_stream(session: aiohttp.ClientSession, url: str, model: str) -> Send:
 
     async def send(item: Item) -> tuple[int, float]:
         body = {"model": model, "messages": [{"role": "user", "content": item.text_input}],
-                "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos, "temperature": 0.0}
         begin, first, tokens = time.perf_counter(), None, None
-        async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
-            if reply.status != 200:
-                raise RuntimeError(f"chat completion failed: {reply.status} {await reply.text()}")
-            async for line in reply.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                data = json.loads(line[6:])
-                if data.get("choices") and data["choices"][0]["delta"].get("content"):
-                    first = first or time.perf_counter() - begin
-                tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
+        async for data in chat_events(session, url, body):
+            if data.get("choices") and data["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter() - begin
+            tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
         if tokens is None:
             raise RuntimeError("chat completion stream ended without usage")
         return tokens, first
 
     return send
+
+
+async def chat_events(session: aiohttp.ClientSession, url: str, body: dict) -> AsyncIterator[dict]:
+    """The events of ``body`` as a streamed ``/v1/chat/completions`` with its usage at the end, parsed;
+    a refusal raises."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"chat completion failed: {reply.status} {await reply.text()}")
+        async for line in reply.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield json.loads(line[6:])
 
 
 async def openai_prompt_tokens(session: aiohttp.ClientSession, url: str, model: str, text: str) -> int:
