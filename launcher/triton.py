@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -174,7 +175,10 @@ class TritonServer:
         """
         if self.watchdog:
             self.watchdog.stop()
-        if not self.process or self.process.poll() is not None:
+        if not self.process:
+            return
+        if self.process.poll() is not None:
+            self.end_orphaned_stubs()
             return
         pid, started = self.process.pid, time.monotonic()
         seconds = drain_timeout() if drain_seconds is None else drain_seconds
@@ -187,6 +191,24 @@ class TritonServer:
                      "for idle keep-alive HTTP connections, or for a model whose load failed)")
         drain.clear(pid, self._drain_notes)
         log.info("tritonserver stopped %.1f s after the stop began", time.monotonic() - started)
+
+    def end_orphaned_stubs(self) -> None:
+        """SIGKILL the Python stubs of a tritonserver that died without unloading its models (Triton 2.51
+        aborts on a shared-memory lock a killed stub held, docs/operations.md#faults): they outlive it,
+        llm's holding the model's memory, and would run on unseen. Found by the server pid each stub's
+        command line names, so no other process is touched whoever has that pid now."""
+        orphans = stubs.stubs(self.process.pid)
+        for pid in sorted(p for pids in orphans.values() for p in pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+        deadline = time.monotonic() + 10
+        while orphans and stubs.stubs(self.process.pid) and time.monotonic() < deadline:  # dying takes a moment
+            time.sleep(0.05)
+        if orphans:
+            log.warning("tritonserver exited with code %s and left the Python stubs of %s running: killed them",
+                        self.process.returncode, ", ".join(sorted(orphans)))
 
     def __enter__(self) -> "TritonServer":
         return self.start()
