@@ -45,6 +45,7 @@ def running_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, re
         yield triton
     finally:
         triton.stop()
+        _servers.remove(triton)
 
 
 @pytest.fixture(scope="session")
@@ -155,11 +156,14 @@ def tokenizer_copy(model_dir: Path, tmp_path: Path):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Show the tail of the server log under any failing test that used the server."""
+    """Show the tail of each server's log under any failing server test: those running, and any that
+    died (a server stopped by its fixture is no longer listed)."""
     outcome = yield
     report = outcome.get_result()
-    if report.failed and _servers and "server" in getattr(item, "fixturenames", ()):
+    if report.failed and _servers and item.path.name.startswith("test_server_"):
         for triton in _servers:
-            report.sections.append((f"tritonserver log {triton.log_path} (last 60 lines)", triton.log_tail(60)))
+            code = triton.process.poll()
+            state = "running" if code is None else f"EXITED with code {code}"
+            report.sections.append((f"tritonserver ({state}) log {triton.log_path} (last 60 lines)", triton.log_tail(60)))
 
 
