@@ -38,8 +38,8 @@ def running_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, re
     roots = os.pathsep.join([str(model_dir.parent), str(tmp_path_factory.getbasetemp())])
     triton = TritonServer(ports=Ports.free(), model_repository=repository, log_path=log_path, admin_key=ADMIN_KEY,
                           model_env={"MODEL_DIR": str(model_dir), "MODEL_ROOTS": roots})
-    _servers.append(triton)
     triton.start()
+    _servers.append(triton)
     try:
         triton.wait_ready(timeout=600)  # a first start compiles llm (minutes on 2 cores)
         yield triton
