@@ -107,7 +107,8 @@ class Engine:
         seq.text = TextTracker(self.decode, request.stop, request.sampling.min_tokens)
         if seq.request.prompt_logprobs is not None:
             seq.prompt_token_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
-        self.metrics.admitted(len(seq.request.input_ids), seq.cached_tokens)
+        prompt_tokens = len(seq.request.input_ids)
+        self.metrics.admitted(prompt_tokens, prompt_tokens if self.hasher else 0, seq.cached_tokens)
 
     @torch.inference_mode()
     def _prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprobs]:

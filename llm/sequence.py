@@ -28,8 +28,9 @@ class Overloaded(RuntimeError):
 class Metrics:
     """Engine events for operators. This default records nothing, so the engine needs no server."""
 
-    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request took a row: its prompt, of which ``cached_tokens`` came from the prefix cache."""
+    def admitted(self, prompt_tokens: int, queried_tokens: int, cached_tokens: int) -> None:
+        """A request took a row: its prompt, of which ``queried_tokens`` were looked up in the prefix cache
+        (all, or none while it is off) and ``cached_tokens`` found there."""
 
     def tokens(self, first: list[float], later: list[float]) -> None:
         """One step's new tokens: seconds from arrival to a request's first token, and between later ones."""

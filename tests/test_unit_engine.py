@@ -22,7 +22,7 @@ from contract.stops import partial_stop_length, visible_text
 from llm import LLM, LLMConfig
 from llm.compiles import COMPILATIONS
 from llm.kv import BLOCK_SIZE, BlockHasher, blocks_for
-from llm.sequence import Overloaded, Sequence
+from llm.sequence import Metrics, Overloaded, Sequence
 from llm.service import EngineLoop
 from llm.shapes import Shape, Shapes
 
@@ -537,6 +537,22 @@ def test_the_kv_budget_counts_a_shared_block_once(model):
         engine.step()
         assert len(engine.running) == admitted
         assert engine.kv_tokens == (4 + 4 - 2 if caching else 4) * BLOCK_SIZE
+
+
+def test_the_engine_reports_the_prompt_tokens_it_looked_up_and_found(model):
+    """What the prefix-cache metrics count: every admitted prompt's tokens looked up while the cache is
+    on (none while off), and those found."""
+    class Admissions(Metrics):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int, int]] = []
+
+        def admitted(self, prompt_tokens: int, queried_tokens: int, cached_tokens: int) -> None:
+            self.seen.append((prompt_tokens, queried_tokens, cached_tokens))
+
+    for caching, expected in ((True, [(40, 40, 0), (40, 40, 32)]), (False, [(40, 0, 0), (40, 0, 0)])):
+        llm, admissions = tiny(model, prefix_caching=caching), Admissions()
+        replies(llm, llm.engine(admissions), [[(A, 4)], [(A, 4)]])
+        assert admissions.seen == expected
 
 
 def test_requests_share_cached_blocks_only_with_their_own_cache_salt(model, llm):

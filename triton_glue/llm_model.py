@@ -81,7 +81,7 @@ class TritonPythonModel:
         gpu = args["model_instance_kind"] == "GPU"
         device = torch.device(f"cuda:{args['model_instance_device_id']}" if gpu else "cpu")
         instances = sum(group.get("count", 1) for group in model_config["instance_group"])
-        metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens, config.prefix_caching)
+        metrics = TritonMetrics(args["model_name"], args["model_version"], config.kv_cache_tokens)
 
         def build():  # on the engine thread, where all of torch's work happens (llm/service.py says why)
             progress = Progress(pb_utils.Logger.log_info)

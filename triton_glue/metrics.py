@@ -19,7 +19,7 @@ TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
 class TritonMetrics(Metrics):
-    def __init__(self, model: str, version: str, kv_cache_tokens: int, prefix_caching: bool) -> None:
+    def __init__(self, model: str, version: str, kv_cache_tokens: int) -> None:
         labels = {"model": model, "version": version}
         families = []  # a family must outlive its metrics, so it lives as long as this object
 
@@ -68,7 +68,6 @@ class TritonMetrics(Metrics):
 
         self._lock = threading.Lock()  # the engine thread records, the responder flushes, execute rejects
         self._counts = {"prompt": 0, "generation": 0, "forwards": 0, "rejections": 0, "queries": 0, "hits": 0}
-        self._prefix_caching = prefix_caching
         self._first: list[float] = []
         self._later: list[float] = []
         self._gauges: tuple[int, int, int, int] | None = None
@@ -88,10 +87,10 @@ class TritonMetrics(Metrics):
             self.compilations.increment(count - self._compiled)
             self._compiled = count
 
-    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, queried_tokens: int, cached_tokens: int) -> None:
         with self._lock:
             self._counts["prompt"] += prompt_tokens
-            self._counts["queries"] += prompt_tokens if self._prefix_caching else 0
+            self._counts["queries"] += queried_tokens
             self._counts["hits"] += cached_tokens
 
     def tokens(self, first: list[float], later: list[float]) -> None:
