@@ -61,21 +61,17 @@ def _read(server_pid: int) -> tuple[Notice, str] | None:
 
 
 def notice(server_pid: int) -> Notice | None:
-    """The drain notice of ``server_pid``, if one was posted."""
+    """The drain notice of ``server_pid``, if one was posted for the process running now. The notice of
+    a server that died without clearing it (its launcher killed mid-drain) does not count, whether the
+    server is gone, a zombie, or its pid now another process's: a container restarted in the same pod
+    keeps /dev/shm (an emptyDir) and its new tritonserver often gets the same pid."""
     read = _read(server_pid)
-    return read[0] if read else None
+    return read[0] if read and read[1] == _running_since(server_pid) else None
 
 
 def posted() -> bool:
-    """Whether any running server on this host (the one of a container) is draining. The notice of a
-    server that died without clearing it (its launcher killed mid-drain) does not count, whether the
-    server is gone, a zombie, or its pid now another process's."""
-    for path in BOARD.glob("drain-*"):
-        pid = int(path.name.removeprefix("drain-"))
-        read = _read(pid)
-        if read and read[1] == _running_since(pid):
-            return True
-    return False
+    """Whether any running server on this host (the one of a container) is draining."""
+    return any(notice(int(path.name.removeprefix("drain-"))) for path in BOARD.glob("drain-*"))
 
 
 def done(stub_pid: int) -> None:
