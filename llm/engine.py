@@ -108,7 +108,7 @@ class Engine:
         if seq.request.prompt_logprobs is not None:
             seq.prompt_token_logprobs = self._prompt_logprobs(seq.request.input_ids, seq.request.prompt_logprobs)
         prompt_tokens = len(seq.request.input_ids)
-        self.metrics.admitted(prompt_tokens, prompt_tokens if self.hasher else 0, seq.cached_tokens)
+        self.metrics.admitted(prompt_tokens, prompt_tokens if self.hasher is not None else 0, seq.cached_tokens)
 
     @torch.inference_mode()
     def _prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprobs]:
