@@ -3,7 +3,7 @@
 Each test runs its own server, never the session's: a killed stub can take tritonserver down with it.
 Triton 2.51's python backend shares locks with each stub in shared memory; when the stub died holding
 one, Triton's next use of it throws ``boost::interprocess::lock_exception``, uncaught, and tritonserver
-aborts (measured: 1 of 9 kills here; CI's session server once). A container then restarts (compose's
+aborts (measured: 1 of 16 kills here; CI's session server once). A container then restarts (compose's
 ``restart: unless-stopped``, Kubernetes' restart policy), and the launcher ends the stubs it left. So the
 kill test tells that abort (and only that one) from a failure, and kills again on a fresh server until
 Triton survives a kill, whose recovery it checks; it fails past ``ATTEMPTS`` kills.
