@@ -18,20 +18,36 @@ NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSc
 DATA = ("const", "enum", "default", "examples")  # values, not schemas
 
 
+def subschemas(schema: Any, change) -> Any:
+    """``schema`` with ``change`` applied to every schema in it, innermost first, itself last; values
+    (``const``, ``enum``, ...) and the names in maps of schemas (``properties``, ``$defs``, ...) are left alone."""
+    if isinstance(schema, list):
+        return [subschemas(item, change) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return change({key: value if key in DATA else
+                   {name: subschemas(s, change) for name, s in value.items()} if key in NAMED and isinstance(value, dict)
+                   else subschemas(value, change) for key, value in schema.items()})
+
+
 def closed(schema: Any) -> Any:
     """``schema`` with every object that lists its properties closed to others unless it says otherwise
     (``additionalProperties: false``), as vLLM's default backend (xgrammar's strict mode) and llama.cpp
     read schemas: a small model given the freedom of JSON Schema's default fills objects with keys of its own."""
-    if isinstance(schema, list):
-        return [closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    schema = {key: value if key in DATA else
-              {name: closed(s) for name, s in value.items()} if key in NAMED and isinstance(value, dict) else closed(value)
-              for key, value in schema.items()}
-    if "properties" in schema and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(schema):
-        schema["additionalProperties"] = False
-    return schema
+    def close(s: dict) -> dict:
+        open_ = "properties" not in s or {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(s)
+        return s if open_ else s | {"additionalProperties": False}
+    return subschemas(schema, close)
+
+
+def moved(schema: Any, to: str) -> Any:
+    """``schema`` as it reads once moved to the JSON pointer ``to`` (``#/$defs/x``) inside a larger schema:
+    its local references (``#/$defs/Unit``, ``#``, written from its own root, as pydantic and LangChain
+    write them) then point into it there. Others (a URL) stay as they are; the grammar library says no."""
+    def rebase(s: dict) -> dict:
+        ref = s.get("$ref")
+        return s | {"$ref": to + ref[1:]} if isinstance(ref, str) and ref.startswith("#") else s
+    return subschemas(schema, rebase)
 
 
 def llguidance_module():

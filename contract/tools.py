@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.grammar import closed
+from contract.grammar import closed, moved
 
 MODES = ("none", "auto", "required")  # tool_choice's values besides the name of one tool
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -88,9 +88,22 @@ def check_choice(choice: str, tools: list[Tool]) -> str:
     return choice
 
 
+def _defined(key: str) -> str:
+    """Where a grammar's ``$defs`` keep ``key``'s schema: ``tools.<name>`` for a tool's parameters, ``response``
+    for a direct answer's (no tool's name has a dot, so the two never meet)."""
+    return f"#/$defs/{key}"
+
+
 def _call_schema(tool: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": {"$ref": _defined(f"tools.{tool.name}")}},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _definitions(schemas: dict[str, dict]) -> dict:
+    """The ``$defs`` that keep ``schemas`` (key -> schema): each moved there whole, its own ``$defs`` and
+    ``$ref`` pointers with it, since a pointer written from the schema's root (``#/$defs/Unit``, as
+    pydantic writes them) must still resolve once the schema is embedded in a grammar's."""
+    return {key: moved(schema, _defined(key)) for key, schema in schemas.items()}
 
 
 def _one_of(schemas: list[dict]) -> dict:
@@ -110,12 +123,14 @@ def _single(choice: str, parallel: bool) -> bool:
 def grammar(tools: list[Tool], choice: str, parallel: bool, syntax: str, response: dict | None = None) -> dict | None:
     """The ``structured_outputs`` that holds a reply to ``syntax`` for this choice (None: the reply is free).
     ``response``: the JSON schema a direct answer follows instead of free text (``response_format``)."""
-    call = _one_of([_call_schema(t) for t in _offered(tools, choice)])
+    offered = _offered(tools, choice)
+    call = _one_of([_call_schema(t) for t in offered])
+    schemas = {f"tools.{t.name}": t.parameters for t in offered}
     single = _single(choice, parallel)
     if syntax == "hermes":
         if choice == "auto" and response is None:
             return None
-        call = {"x-guidance": HERMES_JSON, **call}
+        call = {"x-guidance": HERMES_JSON, "$defs": _definitions(schemas), **call}
         block = f'"{BEGIN}\\n" %json{json.dumps(call)} "\\n{END}"'
         repeat = "" if single else ' ("\\n" call)*'
         rules = ["start: calls", f"calls: call{repeat}", f"call: {block}"]
@@ -126,10 +141,11 @@ def grammar(tools: list[Tool], choice: str, parallel: bool, syntax: str, respons
     calls = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if single else {})}
     envelope = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
     if choice == "auto":
-        answer = {"type": "object", "properties": {"response": response or {"type": "string"}}, "required": ["response"],
+        schemas["response"] = response or {"type": "string"}
+        answer = {"type": "object", "properties": {"response": {"$ref": _defined("response")}}, "required": ["response"],
                   "additionalProperties": False}
         envelope = {"anyOf": [envelope, answer]}
-    return {"json": envelope}
+    return {"json": {"$defs": _definitions(schemas), **envelope}}
 
 
 def instructions(tools: list[Tool], choice: str, parallel: bool, response: dict | None = None) -> str:

@@ -52,7 +52,7 @@ class ChatReply(Reply):
         content, calls, reason = self._read(index, piece.text_output, piece.finish_reason)
         if not (first or content or calls or reason or piece.token_logprobs):
             return None  # text held back: it may be the start of a tool call
-        delta = ChatDelta(role="assistant" if first else None, content=content if content or first else None,
+        delta = ChatDelta(role="assistant" if first else None, content=content or self._empty(index, first, reason),
                           tool_calls=calls or None)
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.token_logprobs),
                                  finish_reason=reason or None)
@@ -60,6 +60,16 @@ class ChatReply(Reply):
             exclude=None if self.body.include_usage else {"usage"})
         data["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # OpenAI leaves out what a delta lacks
         return data
+
+    def _empty(self, index: int, first: bool, reason: str) -> str | None:
+        """``""`` where a delta without text still shows the message's content, else None: so the stream
+        joins into the whole reply's message. A text reply's content is ``""`` from its first chunk on (as
+        OpenAI streams it); one that may call tools has none (``null``) until it shows text, and ``""``
+        only once it ended with neither text nor calls."""
+        if not self.body.calls_tools:
+            return "" if first else None
+        parsed = self.parsers[index].parsed
+        return "" if reason and not (parsed.content or parsed.calls) else None
 
     def whole(self, choices, usage):
         data = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[

@@ -4,6 +4,7 @@ tool results as that template takes it (contract/tools.py has the syntaxes and s
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -69,7 +70,7 @@ def tool_request(tools: str | None, choice: str | None, parallel: bool, structur
     except ValueError as e:
         raise InvalidInput(str(e)) from None
     for i, tool in enumerate(checked):
-        _compilable(f"tools[{i}].function.parameters", json.dumps(tool.parameters, sort_keys=True))
+        _compilable(f"tools[{i}].function.parameters", json.dumps({"json": tool.parameters}, sort_keys=True))
     request = ToolRequest(tuple(checked), tuple(raw), choice, parallel)
     if not request.active or structured_outputs is None:
         return request  # structured_outputs, if any, goes to llm as it is
@@ -88,17 +89,18 @@ def _answer_schema(structured_outputs: bytes, choice: str) -> dict:
     if not isinstance(schema, dict):
         raise InvalidInput(f"structured_outputs with tools (tool_choice {choice}) must be a JSON schema (an object) or "
                            "json_object: a direct answer follows it; send tool_choice none for any other")
-    _compilable("structured_outputs.json", json.dumps(schema, sort_keys=True))
+    _compilable("structured_outputs.json", json.dumps({"json": schema}, sort_keys=True))
     return closed(schema)
 
 
 @lru_cache(maxsize=256)
-def _compilable(where: str, schema: str) -> None:
-    """A schema llguidance cannot compile is the client's error, named here rather than as llm's grammar."""
+def _compilable(where: str, spec: str) -> None:
+    """A grammar llguidance cannot compile (``spec``: ``structured_outputs`` as JSON text) is the client's
+    error, named here as the field it came from rather than as llm's ``structured_outputs``."""
     try:
-        llguidance_grammar({"json": json.loads(schema)})
+        llguidance_grammar(json.loads(spec))
     except InvalidInput as e:
-        raise InvalidInput(f"{where} {str(e).removeprefix('structured_outputs.json ')}") from None
+        raise InvalidInput(f"{where} {re.sub(r'^structured_outputs[.][a-z_]+ ', '', str(e))}") from None
 
 
 def conversation(messages: list[dict], request: ToolRequest, template: TemplateTools) -> tuple[list[dict], list[dict] | None]:
@@ -131,7 +133,12 @@ def conversation(messages: list[dict], request: ToolRequest, template: TemplateT
 
 
 def structured_outputs(request: ToolRequest, template: TemplateTools) -> dict | None:
-    """The grammar the reply follows, or None (no tools, ``none``, or hermes ``auto`` without an answer schema)."""
+    """The grammar the reply follows, or None (no tools, ``none``, or hermes ``auto`` without an answer schema).
+    Each schema in it compiled alone already; this checks them together, so no error names a field the
+    client never sent."""
     if not request.active:
         return None
-    return syntax.grammar(list(request.tools), request.choice, request.parallel, template.syntax, request.response)
+    spec = syntax.grammar(list(request.tools), request.choice, request.parallel, template.syntax, request.response)
+    if spec is not None:
+        _compilable("tools", json.dumps(spec, sort_keys=True))
+    return spec

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import jsonschema
 import openai
@@ -28,11 +29,38 @@ class GetWeather(BaseModel):
     unit: Literal["celsius", "fahrenheit"]
 
 
+class Unit(str, Enum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Weather(BaseModel):
+    """An Enum: the client writes the parameters with ``$defs`` and ``$ref``."""
+    city: str = Field(max_length=20)
+    unit: Unit
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=20)
+    country: Optional[str] = Field(max_length=20)
+
+
+class Trip(BaseModel):
+    """A nested model, an Optional one and a list of models."""
+    origin: Place
+    destination: Optional[Place]
+    stops: list[Place] = Field(max_length=2)
+
+
+DEFS_TOOLS = [openai.pydantic_function_tool(Weather, name="weather", description="The current weather in a city"),
+              openai.pydantic_function_tool(Trip, name="plan_trip", description="Plan a trip between cities")]
+TRIP_ASK = [{"role": "user", "content": "Plan a trip from Paris to Rome, and tell me the weather in Rome in celsius."}]
 TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}}, "required": ["timezone"]}
 TOOLS = [openai.pydantic_function_tool(GetWeather, name="get_weather", description="The current weather in a city"),
          {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone", "parameters": TIME,
                                            "strict": True}}]
-SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"], "get_time": TIME}
+SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"], "get_time": TIME,
+           **{t["function"]["name"]: t["function"]["parameters"] for t in DEFS_TOOLS}}  # with their $defs
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +135,39 @@ def test_auto_answers_or_calls_and_either_is_well_formed(openai_client, model, s
             assert choice.finish_reason in ("stop", "length")
 
 
+CHOICES = ["required", {"type": "function", "function": {"name": "weather"}}, {"type": "function", "function": {"name": "plan_trip"}}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", CHOICES, ids=["required", "named-enum", "named-nested"])
+def test_tools_with_defs_and_refs_are_called_with_valid_arguments(openai_client, model, stream, choice):
+    """``pydantic_function_tool`` over an Enum or nested models writes ``$defs``/``$ref``: the calls follow
+    the tool's own schema, and the client parses them into the models, whole and streamed."""
+    request = dict(model=model, messages=TRIP_ASK, tools=DEFS_TOOLS, tool_choice=choice, max_tokens=160, temperature=0)
+    reply = streamed(openai_client, **request) if stream else openai_client.chat.completions.parse(**request)
+    choice_ = reply.choices[0]
+    calls = valid_calls(choice_.message)
+    assert calls and choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    if isinstance(choice, dict):
+        assert [c.function.name for c in calls] == [choice["function"]["name"]]
+    models = {"weather": Weather, "plan_trip": Trip}
+    assert all(isinstance(c.function.parsed_arguments, models[c.function.name]) for c in calls)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tools_with_defs_under_auto_and_one_call_at_a_time(openai_client, model, stream):
+    for seed in range(2):
+        request = dict(model=model, messages=TRIP_ASK, tools=DEFS_TOOLS, max_tokens=160, temperature=1.0, seed=seed)
+        reply = streamed(openai_client, **request) if stream else openai_client.chat.completions.create(**request)
+        choice = reply.choices[0]
+        if valid_calls(choice.message):
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        else:
+            assert choice.message.content and choice.finish_reason in ("stop", "length")
+        single = openai_client.chat.completions.create(**{**request, "tool_choice": "required", "parallel_tool_calls": False})
+        assert len(valid_calls(single.choices[0].message)) == 1
+
+
 class Forecast(BaseModel):
     city: str = Field(max_length=20)
     sunny: bool
@@ -175,6 +236,8 @@ def rendered_prompt(http_url: str, tokenizer, messages: list[dict], **fields) ->
     ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools.0.type", "Input should be 'function'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "(?=x)"}}}}}]}, "tools", "tools[0].function.parameters cannot be compiled"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/Unit"}}}}}]}, "tools", "tools[0].function.parameters cannot be compiled"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "tool_choice must be none, auto, required or the name of a tool (get_weather, get_time), got 'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools"),
@@ -207,6 +270,15 @@ def test_triton_generate_and_grpc_take_the_same_fields(generate, grpc_client):
     chunks = list(grpc_client.stream(Prompt(ASK[0]["content"], 80, tools=TOOLS, tool_choice="required")))
     text = "".join(c.text_output for c in chunks)
     assert [c.name for c in parse(text, final=True).calls] and chunks[-1].finish_reason == "stop"
+    defs = {"tools": json.dumps(DEFS_TOOLS), "tool_choice": "plan_trip"}
+    reply = generate({"text_input": TRIP_ASK[0]["content"], "max_tokens": 160, **defs})
+    assert reply.status_code == 200, reply.text
+    calls = parse(reply.json()["text_output"], final=True).calls
+    assert [c.name for c in calls] == ["plan_trip"]
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["plan_trip"])
+    chunks = list(grpc_client.stream(Prompt(TRIP_ASK[0]["content"], 160, tools=DEFS_TOOLS, tool_choice="required")))
+    calls = parse("".join(c.text_output for c in chunks), final=True).calls
+    assert calls and all(jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name]) is None for c in calls)
     refused = generate({"text_input": "hi", "max_tokens": 8, "tools": json.dumps(TOOLS), "tool_choice": "nope"})
     assert refused.status_code == 400 and "tool_choice must be none, auto, required" in refused.json()["error"]
 
@@ -229,6 +301,12 @@ def test_a_template_with_tools_renders_them_and_its_calls_parse(hermes_preproces
         request = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
         reply = streamed(openai_client, **request) if stream else openai_client.chat.completions.create(**request)
         assert reply.choices[0].finish_reason == "tool_calls" and valid_calls(reply.choices[0].message)
+    for stream in (False, True):
+        for choice in CHOICES:
+            request = dict(model=model, messages=TRIP_ASK, tools=DEFS_TOOLS, tool_choice=choice, max_tokens=160, temperature=0)
+            reply = streamed(openai_client, **request) if stream else openai_client.chat.completions.create(**request)
+            assert reply.choices[0].finish_reason == "tool_calls" and valid_calls(reply.choices[0].message)
+            assert reply.choices[0].message.content is None
     auto = openai_client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
     choice = auto.choices[0]  # free in the hermes syntax: text, or calls that parse
     assert valid_calls(choice.message) or (choice.message.content and "<tool_call>" not in choice.message.content)

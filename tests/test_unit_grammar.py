@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
+from typing import Optional
 
 import jsonschema
+import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from contract.errors import InvalidInput
 from contract.schema import FinishReason
 from llm import LLM, LLMConfig
 from contract import tools
-from contract.grammar import llguidance_grammar
+from contract.grammar import closed, llguidance_grammar
 from contract.tools import check_tools
 from llm.sequence import Sequence
 
@@ -151,3 +155,93 @@ def test_tool_call_grammars_hold_random_replies_to_the_tools(llm, syntax, choice
             assert call.complete and (call.name == choice if choice in ("weather", "clock") else call.name in ("weather", "clock"))
             jsonschema.validate(json.loads(call.arguments), WEATHER if call.name == "weather" else {"type": "object"})
             assert set(json.loads(call.arguments)) <= {"city", "days"}  # closed to keys the parameters do not list
+
+
+class Unit(str, Enum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+    country: Optional[str] = Field(default=None, max_length=12)
+
+
+class Reading(BaseModel):
+    """$ref at depth one (the Enum), two (Place, inside a list of models) and an Optional model."""
+    unit: Unit
+    places: list[Place] = Field(max_length=2)
+    home: Optional[Place]
+
+
+class Node(BaseModel):
+    """A recursive model: its $ref points at its own definition."""
+    name: str = Field(max_length=8)
+    children: list["Node"] = Field(max_length=2)
+
+
+DEFS_TOOLS = [openai.pydantic_function_tool(Reading, name="reading"), openai.pydantic_function_tool(Node, name="tree")]
+DEFS_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in DEFS_TOOLS}
+
+
+@pytest.mark.parametrize("syntax", ["generic", "hermes"])
+@pytest.mark.parametrize("choice, parallel, response", [("required", True, None), ("required", False, None),
+                                                        ("reading", True, None), ("auto", True, None),
+                                                        ("auto", False, Place.model_json_schema())])
+def test_tool_grammars_resolve_the_tools_own_defs(llm, syntax, choice, parallel, response):
+    """Parameters with ``$defs`` and ``$ref`` (as ``pydantic_function_tool`` writes them) hold a random model's
+    calls to the tool's own schema, with its definitions, in both syntaxes, for every choice; so does an
+    answer schema with its own ``$defs``."""
+    spec = tools.grammar(check_tools(DEFS_TOOLS), choice, parallel, syntax, response and closed(response))
+    if spec is None:
+        assert (syntax, choice) == ("hermes", "auto")
+        return
+    seqs = run(llm, [llm.validate([1, 2], 128, structured_outputs=spec, temperature=1.0, seed=s) for s in range(6)])
+    finished = [s for s in seqs if s.finish_reason is FinishReason.STOP]
+    assert finished
+    for seq in finished:
+        parsed = tools.parse(llm.decode(seq.output_ids), final=True)
+        if not parsed.calls:
+            assert choice == "auto"
+            if response is not None:
+                jsonschema.validate(json.loads(parsed.content), response)
+            continue
+        assert len(parsed.calls) == 1 or parallel
+        for call in parsed.calls:
+            assert call.name == choice or choice not in DEFS_SCHEMAS
+            jsonschema.validate(json.loads(call.arguments), DEFS_SCHEMAS[call.name])
+
+
+def accepts(model_dir, spec: dict, text: str) -> bool:
+    """Whether the grammar takes ``text`` whole, token by token as the engine feeds it."""
+    from llm.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    matcher = Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id}).matcher(llguidance_grammar(spec))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+GOOD = {"unit": "celsius", "places": [{"city": "Oslo", "country": None}], "home": {"city": "Rome", "country": "IT"}}
+TREE = {"name": "a", "children": [{"name": "b", "children": [{"name": "c", "children": []}]}]}
+
+
+@pytest.mark.parametrize("syntax", ["generic", "hermes"])
+@pytest.mark.parametrize("name, arguments, valid", [
+    ("reading", GOOD, True),
+    ("reading", {**GOOD, "unit": "kelvin"}, False),  # depth one: the Enum's definition
+    ("reading", {**GOOD, "places": [{"city": "Oslo", "country": None, "x": 1}]}, False),  # depth two, in a list
+    ("reading", {**GOOD, "home": None}, True),  # the Optional's other branch
+    ("reading", {**GOOD, "home": {"city": 5, "country": None}}, False),
+    ("tree", TREE, True),
+    ("tree", {"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}]}, False),  # depth three: recursion
+])
+def test_defs_are_resolved_at_every_depth(model_dir, syntax, name, arguments, valid):
+    """A call's arguments are taken exactly when they follow the tool's own schema (jsonschema agrees)."""
+    from jsonschema import Draft202012Validator
+
+    assert Draft202012Validator(DEFS_SCHEMAS[name]).is_valid(arguments) == valid
+    spec = tools.grammar(check_tools(DEFS_TOOLS), name, True, syntax)
+    text = (f'{{"tool_calls":[{json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))}]}}'
+            if syntax == "generic" else f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>')
+    assert accepts(model_dir, spec, text) == valid

@@ -167,3 +167,38 @@ def test_pipeline_errors_name_the_field_the_client_sent(message, names, expected
 
     error = APIError.of(_error(InferenceServerException(msg=f"in ensemble 'ensemble', {message}")), names)
     assert (str(error), error.param) == (expected, param)
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("tools, text", [
+    ([TOOL], '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}'),
+    ([TOOL], '{"response":"It is sunny."}'),
+    ([TOOL], '{"response":""}'),
+    ([TOOL], 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ([], "It is sunny."),
+    ([], ""),
+])
+def test_a_stream_joins_into_the_whole_replys_message(tools, text):
+    """The official client's stream helper assembles the chunks into the message the whole reply has:
+    ``content`` None beside calls, "" for an empty reply, the text otherwise."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    body = {**CHAT, "tools": tools} if tools else CHAT
+    whole = ChatReply(ChatCompletionRequest.model_validate(body), "m").whole([(text, "stop", None)], Usage.of(1, 1, 0))
+    reply, state = ChatReply(ChatCompletionRequest.model_validate({**body, "stream": True}), "m"), ChatCompletionStreamState()
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)] or [""]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        data = reply.chunk(0, Chunk(piece, i + 1, 1, "stop" if last else ""), first=i == 0)
+        if data is not None:
+            state.handle_chunk(ChatCompletionChunk.model_validate(data))
+    assembled = state.get_final_completion().choices[0]
+    expected = whole["choices"][0]
+    assert assembled.message.content == expected["message"]["content"] and assembled.finish_reason == expected["finish_reason"]
+    calls = [(c.function.name, c.function.arguments) for c in assembled.message.tool_calls or []]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in expected["message"].get("tool_calls", [])]
+    assert calls or expected["message"]["content"] is not None  # content is null only beside calls

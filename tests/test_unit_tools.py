@@ -131,6 +131,14 @@ def test_a_template_that_renders_tools_gets_them_and_its_own_syntax(hermes):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}}}]},
      None, r"tools\[0\].function.parameters cannot be compiled"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}, "$defs": {"Unit": {"enum": ["c", "f"]}}}}}]},
+     None, r"tools\[0\].function.parameters cannot be compiled: .*Missing"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/unit.json"}}}}}]},
+     None, r"tools\[1\].function.parameters cannot be compiled: .*https://example.com/unit.json"),
+    ({"tools": [WEATHER], "structured_outputs": {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}}},
+     None, "structured_outputs.json cannot be compiled: .*B"),
     ({"tools": [WEATHER], "structured_outputs": {"regex": "a+"}}, None,
      r"structured_outputs with tools \(tool_choice auto\) must be a JSON schema"),
     ({"tools": [WEATHER], "structured_outputs": {"json": {"type": "string", "pattern": "(?=a)"}}}, None,
@@ -148,7 +156,7 @@ def test_bad_tool_requests_name_the_field(generic, fields, messages, message):
 def test_a_direct_answer_follows_the_requests_schema_beside_the_tools(generic, hermes):
     answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
     text, grammar = prompt(generic, CALLED, tools=[WEATHER], structured_outputs={"json": answer})
-    assert grammar["json"]["anyOf"][1]["properties"]["response"] == {**answer, "additionalProperties": False}
+    assert grammar["json"]["$defs"]["response"] == {**answer, "additionalProperties": False}
     assert '"summary"' in text  # the system message shows the answer's schema
     grammar = prompt(hermes, CALLED, tools=[WEATHER], structured_outputs={"json_object": True})[1]
     assert grammar["grammar"].startswith("start: answer | calls")  # hermes auto is held once an answer has a schema
