@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from contract.paths import allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
+from llm import kernels
 from llm.engine import Engine
 from llm.grammar import Grammars
 from llm.kv import BLOCK_SIZE, BlockHasher, BlockTable, cache_slots
@@ -125,6 +126,9 @@ class LLM:
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
         self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
+        # What runs the linear layers and decode attention, for the load log (llm/kernels.py says why).
+        self.kernels = ("torch" if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
+                        f"oneDNN ({'our kernels take bfloat16 only' if kernels.load() is None else kernels.load()})")
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
                              config.max_stop_count, config.max_stop_bytes, self.fingerprint)

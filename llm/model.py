@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from llm import kernels
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # Llama-shaped decoders: RMSNorm, RoPE, GQA, SwiGLU
 
 
@@ -64,6 +66,7 @@ class Context:
         self.key = next(k for k in itertools.count() if k not in Context._by_key)
         Context._by_key[self.key] = self
         self.packed: list[torch.Tensor] = []  # named by index in the compiled graph
+        self.head: torch.Tensor | None = None  # the output layer's float32 weight, where ``Head`` re-scores
         self.step = MixedStep()
 
     @staticmethod
@@ -82,6 +85,7 @@ class Context:
 _LIBRARY = torch.library.Library("triton_chat", "DEF")
 _LIBRARY.define("mixed_attention(Tensor q, Tensor k_cache, Tensor v_cache, int context) -> Tensor")
 _LIBRARY.define("packed_linear(Tensor x, int context, int index, int out_features, Tensor? bias) -> Tensor")
+_LIBRARY.define("settled_logits(Tensor logits, Tensor h, Tensor unsure, int context) -> Tensor")
 
 
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: int) -> torch.Tensor:
@@ -118,32 +122,94 @@ def packed_linear(x: torch.Tensor, context: int, index: int, out_features: int, 
     return torch.ops.mkldnn._linear_pointwise(x, Context.of(context).packed[index], bias, "none", [], "")
 
 
+def settled_logits(logits: torch.Tensor, h: torch.Tensor, unsure: torch.Tensor, context: int) -> torch.Tensor:
+    """``logits`` with the rows ``unsure`` marks computed whole in float32 (``Head`` says when): rare, so
+    out of the compiled graph. A copy, as an operator's output must be."""
+    logits = logits.clone()
+    if unsure.any():
+        rows = unsure.nonzero().squeeze(1)
+        logits[rows] = F.linear(h[rows], Context.of(context).head)
+    return logits
+
+
 _LIBRARY.impl("mixed_attention", mixed_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("settled_logits", settled_logits, "CPU")
 _LIBRARY.impl("packed_linear", packed_linear, "CPU")
 torch.library.register_fake("triton_chat::mixed_attention", lambda q, k_cache, v_cache, context: torch.empty_like(q),
+                            lib=_LIBRARY)
+torch.library.register_fake("triton_chat::settled_logits", lambda logits, h, unsure, context: torch.empty_like(logits),
                             lib=_LIBRARY)
 torch.library.register_fake("triton_chat::packed_linear",
                             lambda x, context, index, out_features, bias: x.new_empty(x.shape[0], out_features), lib=_LIBRARY)
 
 
 class Linear(torch.nn.Module):
-    """A weight used as ``F.linear``: packed by oneDNN on CPUs, plain on GPUs."""
+    """A weight used as ``F.linear``. On CPUs, bfloat16 weights go to our kernel (``llm/kernels.py``: it
+    reads them at the machine's speed), packed in its order; other weights, or without the kernel, are
+    packed by oneDNN. Plain on GPUs."""
 
     def __init__(self, weight: torch.Tensor, context: Context, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.context, self.index = context.key, None
-        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight = self.packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None:
+            self.packed = torch.nn.Parameter(torch.ops.triton_chat_cpu.bf16_pack(weight.detach()), requires_grad=False)
+            if bias is not None:
+                self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        elif weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             self.index = context.pack(weight)
-            self.weight = None
         else:
             self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.triton_chat_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
         if self.index is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.triton_chat.packed_linear(x, self.context, self.index, self.out_features, self.bias)
+
+
+class Head(torch.nn.Module):
+    """The output layer: float32 logits, so that greedy picks float32's token (bfloat16 logits are
+    rounded to 1/8 near the top, enough to flip near ties: "The" 25.33 vs "L" 25.24 for SmolLM2's answer
+    to the README's prompt). Float32 weights are a third of what a 135M model's decode step reads.
+
+    So where our CPU kernel runs (``Linear``), the logits come from the bfloat16 weights and hidden state,
+    summed in float32: each is within ``error[t] x |h|`` of float32's (both roundings, ``2^-8`` relative
+    at most, and float32's own sums, bounded through Cauchy-Schwarz by token t's weight norm). The
+    ``CANDIDATES`` tokens with the highest upper bound are re-scored exactly from the float32 weights; every
+    other token's upper bound lies below the best lower bound, so none of them can be float32's best. Where
+    that fails (more than ``CANDIDATES`` tokens near the top), the row is computed whole in float32. The
+    top of every row is exact; the rest, which only sampling's tail and log-probabilities' sums see, are
+    within the bound (measured under 0.15 for SmolLM2). Elsewhere (float32 models, GPUs) float32 weights."""
+
+    CANDIDATES = 16
+
+    def __init__(self, weight: torch.Tensor, context: Context) -> None:
+        super().__init__()
+        self.context = context
+        self.fast = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None
+        self.linear = Linear(weight if self.fast else weight.float(), context)
+        self.out_features = weight.shape[0]
+        if self.fast:
+            context.head = weight.detach().float()
+            bound = 2**-8 * 1.01 + 2 * weight.shape[1] * 2**-23
+            self.register_buffer("error", bound * context.head.norm(dim=1), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the float32 hidden states ``h`` (``[rows, hidden]``)."""
+        if not self.fast:
+            return self.linear(h)
+        approx = torch.ops.triton_chat_cpu.bf16_linear(h.to(torch.bfloat16), self.linear.packed, self.out_features,
+                                                       None, True)
+        bound = self.error * torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        top = (approx + bound).topk(self.CANDIDATES + 1, dim=-1)
+        ids = top.indices[:, : self.CANDIDATES]
+        exact = torch.bmm(self.context.head[ids], h.unsqueeze(-1)).squeeze(-1)
+        unsure = top.values[:, self.CANDIDATES] >= (approx - bound).amax(-1)
+        return torch.ops.triton_chat.settled_logits(approx.scatter(1, ids, exact), h, unsure, self.context.key)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -154,6 +220,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The cache is head-major (``[kv_heads, slots, dim]``) so the gathered keys are already laid out as the
     matmul's batch of ``kv_heads x rows`` matrices.
     """
+    if kernels.loaded and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128):
+        return torch.ops.triton_chat_cpu.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
     rows, columns = slots.shape
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
@@ -187,9 +255,7 @@ class Decoder(torch.nn.Module):
         self.embed = body.embed_tokens.weight
         self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context) for layer in body.layers)
         self.norm = body.norm.weight
-        # The head runs in float32: bfloat16 logits are rounded to 1/8 near the top of the distribution,
-        # enough to flip near ties ("The" 25.33 vs "L" 25.24 for SmolLM2's answer to the README's prompt).
-        self.lm_head = Linear(hf.lm_head.weight.float(), self.context)
+        self.lm_head = Head(hf.lm_head.weight, self.context)
         cos, sin = body.rotary_emb(torch.zeros(1, dtype=dtype, device=device), torch.arange(positions, device=device)[None])
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)

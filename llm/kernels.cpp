@@ -1,0 +1,240 @@
+// CPU kernels of our own, built by llm/kernels.py for the CPU it runs on (it says why and when).
+//
+// A bfloat16 linear layer, y = x @ w.T (+ bias), for CPUs with AVX512-BF16. A decode step multiplies a
+// row or a few by each weight, so it is bound by reading the weights once, and oneDNN's GEMM reads them
+// at 14 to 23 GB/s there, where a plain sum reads at 26 to 37 (docs/benchmark.md). So the weights are
+// packed once, at load, into the order the kernel reads them, one sequential stream per thread:
+//
+//   packed[g][p][j][r][t] = w[64 g + 16 j + r][2 p + t]   (g: group of 64 rows, p: pair of columns)
+//
+// One vdpbf16ps then takes 64 bytes of weights (16 rows x one pair of columns) against a pair of x's
+// columns broadcast to every lane: each lane accumulates one output row, so no horizontal sums. Four
+// such vectors (a group's 64 rows) are dotted with up to four rows of x, sixteen accumulators in
+// registers. Columns are taken in slices that keep a group's slice in L1 while every row of x passes
+// over it, so a step of many rows (a prompt chunk) re-reads the weights from L1, not from memory.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 64;   // output rows a group packs: four vectors of sixteen lanes
+constexpr int64_t kSlice = 128;  // column pairs per slice: 64 rows x 256 columns x 2 bytes = 32 KiB, L1's size
+constexpr int64_t kRowsPerPass = 4;
+
+// acc[m][j] (+)= x[m, 2 p0 : 2 p1] . packed group slice, for MR rows of x.
+template <int MR>
+inline void slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t p0, int64_t p1, float* out,
+                  bool first) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * kGroup + 16 * j);
+  const c10::BFloat16* wp = w + p0 * kGroup * 2;
+  for (int64_t p = p0; p < p1; ++p, wp += kGroup * 2) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xv, w3);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
+}
+
+// packed: [groups, pairs, 64, 2] bfloat16 from w [N, K]; rows past N and the column past an odd K are zeros.
+at::Tensor bf16_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: a bfloat16 matrix [N, K]");
+  const at::Tensor c = w.contiguous();
+  const int64_t N = c.size(0), K = c.size(1), groups = (N + kGroup - 1) / kGroup, pairs = (K + 1) / 2;
+  at::Tensor packed = at::zeros({groups, pairs, kGroup, 2}, c.options());
+  const auto* src = c.const_data_ptr<c10::BFloat16>();
+  auto* dst = packed.mutable_data_ptr<c10::BFloat16>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[(((n / kGroup) * pairs + k / 2) * kGroup + n % kGroup) * 2 + k % 2] = src[n * K + k];
+  return packed;
+}
+
+template <typename Out>
+void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const float* bias) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = Out(out[m * kGroup + r] + (bias ? bias[r] : 0.0f));
+}
+
+// y = x @ w.T (+ bias), bfloat16, or float32 with ``float32`` (logits: the sums are float32 already).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                       bool float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x is bfloat16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(1) == (x.size(1) + 1) / 2 &&
+                  packed.size(0) * kGroup >= N && packed.is_contiguous(),
+              "bf16_linear: the weight must come from bf16_pack, K = x.size(1)");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "bf16_linear: a float32 bias of N");
+  const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), groups = packed.size(0);
+  // x's rows as pairs of columns (one 32-bit word each), padded to an even K with a zero column.
+  at::Tensor xs = x;
+  if (K % 2 || x.stride(1) != 1 || x.stride(0) != K) {
+    xs = at::zeros({M, 2 * pairs}, x.options());
+    xs.narrow(1, 0, K).copy_(x);
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float32 ? at::kFloat : at::kBFloat16));
+  if (M == 0 || N == 0) return y;
+  const auto* xp = reinterpret_cast<const uint32_t*>(xs.const_data_ptr<c10::BFloat16>());
+  const auto* wp = packed.const_data_ptr<c10::BFloat16>();
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  // Each thread takes a contiguous run of groups, so each streams its share of the weights front to back.
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(M * kGroup);
+    for (int64_t g = begin; g < end; ++g) {
+      const c10::BFloat16* wg = wp + g * pairs * kGroup * 2;
+      for (int64_t p0 = 0; p0 < pairs; p0 += kSlice) {
+        const int64_t p1 = std::min(pairs, p0 + kSlice);
+        for (int64_t m = 0; m < M; m += kRowsPerPass) {
+          const uint32_t* xm = xp + m * pairs;
+          float* om = out.data() + m * kGroup;
+          switch (std::min(kRowsPerPass, M - m)) {
+            case 4: slice<4>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
+            case 3: slice<3>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
+            case 2: slice<2>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
+            default: slice<1>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
+          }
+        }
+      }
+      const int64_t n0 = g * kGroup, rows = std::min(kGroup, N - n0);
+      if (float32)
+        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, rows, bp ? bp + n0 : nullptr);
+      else
+        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, rows, bp ? bp + n0 : nullptr);
+    }
+  });
+  return y;
+}
+
+inline __m512 widen(const c10::BFloat16* p) {  // 16 bfloat16 as float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The sums of sixteen vectors' lanes, lane i holding v[i]'s: halves, quarters, pairs, then single lanes
+// added across vectors at each step (15 shuffles and adds against 16 separate horizontal sums).
+inline __m512 sums16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  // Lane 4k + m of z holds v[4m + k]'s sum.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+// One query head over one row's keys and values, DIM wide (a multiple of 32), read in place through
+// the row's slots: scores by vdpbf16ps, a float32 softmax, then the values summed in registers.
+template <int DIM>
+void attend(const c10::BFloat16* query, const c10::BFloat16* keys, const c10::BFloat16* values, const int64_t* slots,
+            int64_t length, float scale, float* scores, c10::BFloat16* out) {
+  __m512bh q[DIM / 32];
+  for (int i = 0; i < DIM / 32; ++i) q[i] = (__m512bh)_mm512_loadu_si512(query + 32 * i);
+  auto dot = [&](int64_t p) {
+    const c10::BFloat16* key = keys + slots[p] * DIM;
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < DIM / 32; ++i) acc = _mm512_dpbf16_ps(acc, q[i], (__m512bh)_mm512_loadu_si512(key + 32 * i));
+    return acc;
+  };
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  int64_t p = 0;
+  for (; p + 16 <= length; p += 16) {  // sixteen dots summed across lanes together
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) v[i] = dot(p + i);
+    const __m512 s = _mm512_mul_ps(sums16(v), scale16);
+    _mm512_storeu_ps(scores + p, s);
+    top16 = _mm512_max_ps(top16, s);
+  }
+  float top = _mm512_reduce_max_ps(top16);
+  for (; p < length; ++p) {
+    scores[p] = _mm512_reduce_add_ps(dot(p)) * scale;
+    top = std::max(top, scores[p]);
+  }
+  float sum = 0.0f;
+  for (int64_t p = 0; p < length; ++p) sum += (scores[p] = std::exp(scores[p] - top));
+  __m512 acc[DIM / 16];
+  for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < length; ++p) {
+    const c10::BFloat16* value = values + slots[p] * DIM;
+    const __m512 weight = _mm512_set1_ps(scores[p]);
+    for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_fmadd_ps(weight, widen(value + 16 * i), acc[i]);
+  }
+  alignas(64) float result[DIM];
+  const __m512 inverse = _mm512_set1_ps(length ? 1.0f / sum : 0.0f);
+  for (int i = 0; i < DIM / 16; ++i) _mm512_store_ps(result + 16 * i, _mm512_mul_ps(acc[i], inverse));
+  for (int i = 0; i < DIM; ++i) out[i] = c10::BFloat16(result[i]);
+}
+
+// Decode attention over the paged cache, in place: one query token per row, attending to the first
+// lengths[r] of its slots[r] (cache slots, position by position); keys and values are read where they
+// lie (cache [kv_heads, slots, dim]), never gathered into a tensor of their own. One task per row and KV
+// head: its query heads read the same keys and values, still in L1 or L2 after the first.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "decode_attention: bfloat16 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 2 &&
+                  slots.size(0) == q.size(0) && lengths.numel() == q.size(0), "decode_attention: slots [rows, columns], lengths [rows]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
+  const int64_t cache_slots = k_cache.size(1), columns = slots.size(1), group = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == dim, "decode_attention: heads and dim");
+  TORCH_CHECK(dim == 64 || dim == 128, "decode_attention: head_dim 64 or 128 (kernels.supports)");
+  const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), lc = lengths.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const auto* qp = qc.const_data_ptr<c10::BFloat16>();
+  const auto* kp = k_cache.const_data_ptr<c10::BFloat16>();
+  const auto* vp = v_cache.const_data_ptr<c10::BFloat16>();
+  const int64_t* sp = sc.const_data_ptr<int64_t>();
+  const int64_t* lp = lc.const_data_ptr<int64_t>();
+  auto* op = out.mutable_data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(columns);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads, length = std::clamp<int64_t>(lp[r], 0, columns);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const int64_t at = (r * heads + h) * dim;
+        const c10::BFloat16 *keys = kp + g * cache_slots * dim, *values = vp + g * cache_slots * dim;
+        if (dim == 64)
+          attend<64>(qp + at, keys, values, sp + r * columns, length, float(scale), scores.data(), op + at);
+        else
+          attend<128>(qp + at, keys, values, sp + r * columns, length, float(scale), scores.data(), op + at);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(triton_chat_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def("bf16_pack(Tensor w) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float32=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triton_chat_cpu, CPU, m) {
+  m.impl("bf16_pack", &bf16_pack);
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,170 @@
+"""Our CPU kernels (llm/kernels.cpp) against their definitions, and the bfloat16 head's exactness.
+
+They run only where they are built (CPUs with AVX512-BF16); elsewhere these tests skip, saying why, and
+the engine runs on oneDNN and the compiled graph's attention as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llm import kernels
+from llm import model as M
+
+pytestmark = pytest.mark.skipif(kernels.load() is not None, reason=f"no kernels here: {kernels.load()}")
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 960, 576), (4, 64, 576), (5, 577, 101), (16, 3072, 576), (1, 5, 31),
+                                     (300, 200, 600), (0, 64, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("float32", [False, True])
+def test_bf16_linear_is_the_product_summed_in_float32(m, n, k, bias, float32):
+    """Every row count (a decode step's few, a prompt chunk's many), ragged N and odd K, bias or not,
+    bfloat16 or float32 out: the float32 product of the bfloat16 operands, to float32's rounding."""
+    torch.manual_seed(m + n + k)
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n) if bias else None
+    got = torch.ops.triton_chat_cpu.bf16_linear(x, torch.ops.triton_chat_cpu.bf16_pack(w), n, b, float32)
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.dtype == (torch.float32 if float32 else torch.bfloat16) and got.shape == (m, n)
+    if float32:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(got, expected.bfloat16(), rtol=2**-7, atol=1e-2)
+
+
+def test_bf16_linear_takes_strided_rows():
+    x, w = torch.randn(8, 128).bfloat16(), torch.randn(64, 64).bfloat16()
+    packed = torch.ops.triton_chat_cpu.bf16_pack(w)
+    view = x[::2, 32:96]  # neither row nor column contiguous as a whole
+    torch.testing.assert_close(torch.ops.triton_chat_cpu.bf16_linear(view, packed, 64, None, False),
+                               torch.ops.triton_chat_cpu.bf16_linear(view.contiguous(), packed, 64, None, False))
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("rows, columns, heads, kv_heads", [(1, 64, 9, 3), (16, 640, 9, 3), (3, 37, 8, 8), (5, 17, 32, 8)])
+def test_decode_attention_reads_the_paged_cache_in_place(dim, rows, columns, heads, kv_heads):
+    """Against the graph's own attention (llm/model.py's gather, softmax and matmuls) in float32:
+    scattered slots, ragged lengths (one position, a block and one, every column), grouped heads."""
+    torch.manual_seed(rows * columns)
+    k_cache, v_cache = torch.randn(kv_heads, 4096, dim).bfloat16(), torch.randn(kv_heads, 4096, dim).bfloat16()
+    q = torch.randn(rows, heads, dim).bfloat16()
+    slots = torch.randint(0, 4096, (rows, columns))
+    lengths = torch.tensor([[1, 17, columns][i % 3] for i in range(rows)])
+    got = torch.ops.triton_chat_cpu.decode_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
+    assert kernels.loaded  # so the compiled graph takes this path for bfloat16
+    kernels.loaded = False
+    try:
+        expected = M.decode_attention(q.float(), k_cache.float(), v_cache.float(), slots, lengths, dim**-0.5)
+    finally:
+        kernels.loaded = True
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def head(model_dir) -> tuple[M.Head, torch.Tensor, torch.Tensor]:
+    """The default model's bfloat16 head, its float32 weights, and the final hidden states of a greedy
+    reply (float32, as the decoder hands them to the head)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt")
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                          output_hidden_states=True, return_dict_in_generate=True)
+    hidden = torch.cat([step[-1][0] for step in out.hidden_states])  # every prompt and reply position
+    weight = hf.lm_head.weight.detach().bfloat16()  # a bfloat16 model's: float32 is its upcast
+    return M.Head(weight, M.Context()), weight.float(), hidden
+
+
+def test_the_bfloat16_head_picks_float32s_token_at_every_position(head):
+    """Greedy over the bfloat16 head is float32's choice, position by position, and the top candidates'
+    logits are float32's exactly; the rest lie within the bound the head assumes."""
+    bf16_head, weight, hidden = head
+    assert bf16_head.fast
+    with torch.inference_mode():
+        got, expected = bf16_head(hidden), hidden @ weight.T
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    top = expected.topk(4, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), expected.gather(1, top), rtol=1e-6, atol=1e-5)
+    bound = bf16_head.error * hidden.norm(dim=-1, keepdim=True)
+    assert ((got - expected).abs() <= bound).all()
+
+
+def test_near_ties_pick_float32s_token(head):
+    """Hidden states moved so that the best two tokens' float32 logits differ by less than bfloat16 can
+    tell apart, either way round."""
+    bf16_head, weight, hidden = head
+    h, first, second = near_ties(weight, hidden)
+    with torch.inference_mode():
+        got, expected = bf16_head(h), h @ weight.T
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert set(expected.argmax(-1).tolist()) == {first, second}  # the ties are real
+
+
+def test_a_row_with_more_near_the_top_than_it_rescores_is_computed_whole(head):
+    """With a single candidate re-scored, a near tie leaves the runner-up's upper bound above the best
+    lower bound: the row comes whole from float32, and greedy still picks float32's token."""
+    bf16_head, weight, hidden = head
+    h, _, _ = near_ties(weight, hidden)
+    bf16_head.CANDIDATES = 1
+    try:
+        with torch.inference_mode():
+            got, expected = bf16_head(h), h @ weight.T
+    finally:
+        del bf16_head.CANDIDATES
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)  # every logit float32's, not only the top
+
+
+def near_ties(weight: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Hidden states whose best two tokens differ by +-1e-4 and +-3e-3 in float32 (the real position
+    whose best two are closest, moved along their difference), and those two tokens."""
+    top = (hidden @ weight.T).topk(2, dim=-1)
+    i = (top.values[:, 0] - top.values[:, 1]).argmin()
+    first, second = top.indices[i].tolist()
+    a, b = weight[first], weight[second]
+    cases = [hidden[i] + (gap - (a - b) @ hidden[i]) / (a - b).norm() ** 2 * (a - b) for gap in (1e-4, -1e-4, 3e-3, -3e-3)]
+    return torch.stack(cases), first, second
+
+
+def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_nothing_under_traffic():
+    """The kernels are opaque operators inside the compiled step (no graph break, which would cut the
+    step into a graph per layer), and traffic of every row count compiles nothing more."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llm import LLM, LLMConfig
+    from llm.compiles import COMPILATIONS
+    from llm.sequence import Sequence
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
+    hf = LlamaForCausalLM(config).to(torch.bfloat16)
+
+    class Letters:
+        def decode(self, ids: list[int], **_) -> str:
+            return "".join(chr(97 + i % 26) for i in ids)
+
+        def get_vocab(self) -> dict[str, int]:
+            return {f"t{i}": i for i in range(256)}
+
+    llm = LLM(LLMConfig("unused", compile=True, kv_cache_tokens=1024, default_max_tokens=8, max_tokens_limit=32, max_running_requests=8,
+                        max_batched_tokens=32), torch.device("cpu"), hf, Letters())
+    counters.clear()
+    engine = llm.engine()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    built = COMPILATIONS.count
+    seqs = [Sequence(llm.validate(list(range(1, 2 + 5 * i)), 8 + i, ignore_eos=True)) for i in range(8)]
+    with profile() as trace:
+        for i, seq in enumerate(seqs):
+            engine.add(seq)
+            engine.step()
+        while engine.has_work:
+            engine.step()
+    assert COMPILATIONS.count == built and all(len(s.output_ids) == 8 + i for i, s in enumerate(seqs))
+    ran = {event.name for event in trace.events()}
+    assert {"triton_chat_cpu::bf16_linear", "triton_chat_cpu::decode_attention", "triton_chat::settled_logits"} <= ran
