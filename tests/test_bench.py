@@ -173,3 +173,13 @@ def test_gpu_check_fails_naming_the_phase_when_a_first_token_is_late(tmp_path, m
     assert report["failures"] == ["phase 'one request': a request's first token took more than 0.001 s after ready "
                                   "(the server log says what llm was doing)"]
     assert "FAIL: phase 'one request'" in result.stdout and report["engine"] == {}
+
+
+def test_the_step_profile_times_a_decode_step_and_names_its_kernels(model_dir):
+    """docs/benchmark.md's per-operator profile of a decode step comes from this command."""
+    result = subprocess.run([sys.executable, "-m", "bench.step_profile", "--rows", "2", "--columns", "16", "--profile"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^2 rows x 16 columns, torch\.\w+ \(.+\): [\d.]+ ms a step, [\d.]+ tok/s; weights read \d+ MB a step, "
+                     r"bandwidth [\d.]+ GB/s: limit [\d.]+ ms \(\d+% of it\)$", result.stdout, re.M), result.stdout
+    assert "Self CPU time total" in result.stdout

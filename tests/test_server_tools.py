@@ -123,16 +123,21 @@ def test_a_named_tool_is_the_one_called_once(openai_client, model, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_auto_answers_or_calls_and_either_is_well_formed(openai_client, model, stream):
-    for seed in range(4):
-        request = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=1.0, seed=seed)
+@pytest.mark.parametrize("tools, ask", [(TOOLS, ASK), (DEFS_TOOLS, TRIP_ASK)], ids=["literal", "defs-and-refs"])
+def test_auto_answers_or_calls_and_either_is_well_formed(openai_client, model, stream, tools, ask):
+    for seed in range(3):
+        request = dict(model=model, messages=ask, tools=tools, max_tokens=160, temperature=1.0, seed=seed)
         reply = streamed(openai_client, **request) if stream else openai_client.chat.completions.create(**request)
-        choice = reply.choices[0]
-        if valid_calls(choice.message):
-            assert choice.finish_reason == "tool_calls" and not choice.message.content
-        else:
-            assert choice.message.content and "tool_calls" not in choice.message.content
-            assert choice.finish_reason in ("stop", "length")
+        well_formed(reply.choices[0])
+
+
+def well_formed(choice) -> None:
+    """An ``auto`` reply, whichever the model chose: calls (``content`` null), or text without the envelope."""
+    if valid_calls(choice.message):
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    else:
+        assert choice.message.content and "tool_calls" not in choice.message.content
+        assert choice.finish_reason in ("stop", "length")
 
 
 CHOICES = ["required", {"type": "function", "function": {"name": "weather"}}, {"type": "function", "function": {"name": "plan_trip"}}]
@@ -152,20 +157,6 @@ def test_tools_with_defs_and_refs_are_called_with_valid_arguments(openai_client,
         assert [c.function.name for c in calls] == [choice["function"]["name"]]
     models = {"weather": Weather, "plan_trip": Trip}
     assert all(isinstance(c.function.parsed_arguments, models[c.function.name]) for c in calls)
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_tools_with_defs_under_auto_and_one_call_at_a_time(openai_client, model, stream):
-    for seed in range(2):
-        request = dict(model=model, messages=TRIP_ASK, tools=DEFS_TOOLS, max_tokens=160, temperature=1.0, seed=seed)
-        reply = streamed(openai_client, **request) if stream else openai_client.chat.completions.create(**request)
-        choice = reply.choices[0]
-        if valid_calls(choice.message):
-            assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        else:
-            assert choice.message.content and choice.finish_reason in ("stop", "length")
-        single = openai_client.chat.completions.create(**{**request, "tool_choice": "required", "parallel_tool_calls": False})
-        assert len(valid_calls(single.choices[0].message)) == 1
 
 
 class Forecast(BaseModel):
@@ -197,11 +188,12 @@ def test_none_answers_in_text(openai_client, model, stream):
     assert choice.message.content and not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
 
 
-def test_parallel_tool_calls_false_allows_one_call(openai_client, model):
-    ask = [{"role": "user", "content": "Weather in Paris, Rome, Oslo and Lima?"}]
+@pytest.mark.parametrize("tools, ask", [(TOOLS, [{"role": "user", "content": "Weather in Paris, Rome, Oslo and Lima?"}]),
+                                        (DEFS_TOOLS, TRIP_ASK)], ids=["literal", "defs-and-refs"])
+def test_parallel_tool_calls_false_allows_one_call(openai_client, model, tools, ask):
     for seed in range(4):
         calls = valid_calls(openai_client.chat.completions.create(
-            model=model, messages=ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+            model=model, messages=ask, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=160,
             temperature=1.0, seed=seed).choices[0].message)
         assert len(calls) == 1
 
@@ -257,29 +249,23 @@ def test_bad_tool_requests_are_400s_naming_the_field(openai_frontend, model, bod
     assert error["param"] == param and message in error["message"], error
 
 
-def test_triton_generate_and_grpc_take_the_same_fields(generate, grpc_client):
+@pytest.mark.parametrize("tools, ask, named", [(TOOLS, ASK, "get_weather"), (DEFS_TOOLS, TRIP_ASK, "plan_trip")],
+                         ids=["literal", "defs-and-refs"])
+def test_triton_generate_and_grpc_take_the_same_fields(generate, grpc_client, tools, ask, named):
     """Triton's API reaches the same tools: the reply is the envelope, which contract.tools parses."""
     from contract.tools import parse
 
-    fields = {"tools": json.dumps(TOOLS), "tool_choice": "get_weather"}
-    reply = generate({"text_input": ASK[0]["content"], "max_tokens": 80, **fields})
+    reply = generate({"text_input": ask[0]["content"], "max_tokens": 160, "tools": json.dumps(tools), "tool_choice": named})
     assert reply.status_code == 200, reply.text
     calls = parse(reply.json()["text_output"], final=True).calls
-    assert [c.name for c in calls] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
-    chunks = list(grpc_client.stream(Prompt(ASK[0]["content"], 80, tools=TOOLS, tool_choice="required")))
-    text = "".join(c.text_output for c in chunks)
-    assert [c.name for c in parse(text, final=True).calls] and chunks[-1].finish_reason == "stop"
-    defs = {"tools": json.dumps(DEFS_TOOLS), "tool_choice": "plan_trip"}
-    reply = generate({"text_input": TRIP_ASK[0]["content"], "max_tokens": 160, **defs})
-    assert reply.status_code == 200, reply.text
-    calls = parse(reply.json()["text_output"], final=True).calls
-    assert [c.name for c in calls] == ["plan_trip"]
-    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["plan_trip"])
-    chunks = list(grpc_client.stream(Prompt(TRIP_ASK[0]["content"], 160, tools=DEFS_TOOLS, tool_choice="required")))
+    assert [c.name for c in calls] == [named]
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[named])
+    chunks = list(grpc_client.stream(Prompt(ask[0]["content"], 160, tools=tools, tool_choice="required")))
     calls = parse("".join(c.text_output for c in chunks), final=True).calls
-    assert calls and all(jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name]) is None for c in calls)
-    refused = generate({"text_input": "hi", "max_tokens": 8, "tools": json.dumps(TOOLS), "tool_choice": "nope"})
+    assert calls and chunks[-1].finish_reason == "stop"
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    refused = generate({"text_input": "hi", "max_tokens": 8, "tools": json.dumps(tools), "tool_choice": "nope"})
     assert refused.status_code == 400 and "tool_choice must be none, auto, required" in refused.json()["error"]
 
 
