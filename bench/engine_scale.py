@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from bench.static_llm import StaticGenerator
 from llm import LLM, LLMConfig
@@ -36,14 +36,6 @@ PROMPT, NEW = 128, 128
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def bytes_read_per_step(hf: PreTrainedModel) -> int:
-    """What one decode step reads of the weights: every matrix once, the input embedding only by row (so
-    not at all, to first order), and the head in float32, as the engine keeps it (``llm/model.py``)."""
-    embed, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
-    body = sum(p.numel() * p.element_size() for p in hf.parameters() if p is not embed and p is not head)
-    return body + head.numel() * 4
 
 
 def random_model(shape: str, vocab: int, device: torch.device) -> LlamaForCausalLM:
@@ -93,7 +85,7 @@ def measure(shape: str, tokenizer: PreTrainedTokenizerBase, device: torch.device
                         max_tokens_limit=NEW, max_running_requests=max(concurrency)), device, hf, tokenizer)
     engine = llm.engine()
     built = COMPILATIONS.count
-    weights = bytes_read_per_step(hf)
+    weights = llm.decoder.weight_bytes()
     report = {"parameters_M": sum(p.numel() for p in hf.parameters()) / 1e6, "weights_read_GB": weights / 1e9,
               "load_and_compile_s": time.perf_counter() - began, "cuda_graphs": engine.runner.cuda_graphs, "points": []}
     say(f"{shape}: {report['parameters_M']:.0f}M parameters, engine built (compiled, {engine.runner.cuda_graphs} "

@@ -1,9 +1,9 @@
 """``python -m bench.step_profile``: one decode step of the engine alone, timed and taken apart by operator.
 
 The default model, compiled as the server runs it, ``--rows`` rows decoding at ``--columns`` positions of
-context. Prints the step's time, the bytes it reads of the weights (every matrix once; the input
-embedding only by row) against this machine's read bandwidth (``bench.roofline.bandwidth``), and with
-``--profile`` torch's per-operator table of a few steps. docs/benchmark.md shows its output before and
+context. Prints the step's time, the bytes it reads of the weights (``Decoder.weight_bytes``) against
+this machine's read bandwidth (``bench.roofline.bandwidth``), and with ``--profile`` torch's per-operator
+table of a few steps. docs/benchmark.md shows its output before and
 after the CPU kernels (``llm/kernels.py``).
 """
 
@@ -18,13 +18,6 @@ from bench.roofline import bandwidth
 from launcher.model import prepare_default_model
 from llm import LLM, LLMConfig
 from llm.sequence import Sequence
-
-
-def weight_bytes(llm: LLM) -> int:
-    """What a decode step reads of the weights: every parameter and packed matrix but the embedding."""
-    decoder = llm.decoder
-    tensors = [*decoder.parameters(), *decoder.context.packed]
-    return sum(t.numel() * t.element_size() for t in tensors) - decoder.embed.numel() * decoder.embed.element_size()
 
 
 def step_seconds(llm: LLM, engine, rows: int, columns: int, steps: int) -> float:
@@ -54,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.engine()
     step_seconds(llm, engine, args.rows, args.columns, 8)  # a first pass through every path
     seconds = min(step_seconds(llm, engine, args.rows, args.columns, 64) for _ in range(3))
-    read, weights = bandwidth(torch.device("cpu"), gib=1.0, repeats=5), weight_bytes(llm)
+    read, weights = bandwidth(torch.device("cpu"), gib=1.0, repeats=5), llm.decoder.weight_bytes()
     print(f"{args.rows} rows x {args.columns} columns, {llm.dtype} ({llm.kernels}): {seconds * 1e3:.2f} ms a step, "
           f"{args.rows / seconds:.1f} tok/s; weights read {weights / 1e6:.0f} MB a step, bandwidth {read / 1e9:.1f} GB/s: "
           f"limit {weights / read * 1e3:.2f} ms ({weights / read / seconds:.0%} of it)")

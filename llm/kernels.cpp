@@ -2,7 +2,7 @@
 //
 // A bfloat16 linear layer, y = x @ w.T (+ bias), for CPUs with AVX512-BF16. A decode step multiplies a
 // row or a few by each weight, so it is bound by reading the weights once, and oneDNN's GEMM reads them
-// at 14 to 23 GB/s there, where a plain sum reads at 26 to 37 (docs/benchmark.md). So the weights are
+// there at about half the rate a plain sum of the same bytes does (docs/benchmark.md). So the weights are
 // packed once, at load, into the order the kernel reads them, one sequential stream per thread:
 //
 //   packed[g][p][j][r][t] = w[64 g + 16 j + r][2 p + t]   (g: group of 64 rows, p: pair of columns)
@@ -199,7 +199,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
   const int64_t cache_slots = k_cache.size(1), columns = slots.size(1), group = heads / kv_heads;
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == dim, "decode_attention: heads and dim");
-  TORCH_CHECK(dim == 64 || dim == 128, "decode_attention: head_dim 64 or 128 (kernels.supports)");
+  TORCH_CHECK(dim == 64 || dim == 128, "decode_attention: head_dim 64 or 128 (llm/model.py sends no other)");
   const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), lc = lengths.contiguous();
   at::Tensor out = at::empty_like(qc);
   const auto* qp = qc.const_data_ptr<c10::BFloat16>();

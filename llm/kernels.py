@@ -1,8 +1,9 @@
 """Our own CPU kernels (``llm/kernels.cpp``), compiled for the CPU at hand the first time a model loads.
 
 Why: a decode step is bound by reading the weights once, and on 2 cores oneDNN's GEMM reads bfloat16
-weights at a row or a few at 14 to 23 GB/s where the machine reads at 26 to 37 (docs/benchmark.md has
-the measurements). The kernel reads them at that speed and is as fast as oneDNN up to prompt-sized steps.
+weights at a row or a few at about half the rate a plain sum of the same bytes does (docs/benchmark.md
+has the measurements). The kernel reads them at the sum's rate and is as fast as oneDNN up to
+prompt-sized steps.
 
 Where: CPUs with AVX512-BF16 (the ones ``dtype: auto`` runs in bfloat16), when a C++ compiler is there
 (the image and these machines have g++). It is built with ``-march=native`` against the installed torch

@@ -143,6 +143,11 @@ torch.library.register_fake("triton_chat::packed_linear",
                             lambda x, context, index, out_features, bias: x.new_empty(x.shape[0], out_features), lib=_LIBRARY)
 
 
+def _ours(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` runs on our CPU kernel (``llm/kernels.py``: bfloat16, on a CPU that has it)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None
+
+
 class Linear(torch.nn.Module):
     """A weight used as ``F.linear``. On CPUs, bfloat16 weights go to our kernel (``llm/kernels.py``: it
     reads them at the machine's speed), packed in its order; other weights, or without the kernel, are
@@ -154,7 +159,7 @@ class Linear(torch.nn.Module):
         self.context, self.index = context.key, None
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.weight = self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None:
+        if _ours(weight):
             self.packed = torch.nn.Parameter(torch.ops.triton_chat_cpu.bf16_pack(weight.detach()), requires_grad=False)
             if bias is not None:
                 self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -190,9 +195,8 @@ class Head(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, context: Context) -> None:
         super().__init__()
         self.context = context
-        self.fast = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None
+        self.fast = _ours(weight)
         self.linear = Linear(weight if self.fast else weight.float(), context)
-        self.out_features = weight.shape[0]
         if self.fast:
             context.head = weight.detach().float()
             bound = 2**-8 * 1.01 + 2 * weight.shape[1] * 2**-23
@@ -202,8 +206,8 @@ class Head(torch.nn.Module):
         """Float32 logits of the float32 hidden states ``h`` (``[rows, hidden]``)."""
         if not self.fast:
             return self.linear(h)
-        approx = torch.ops.triton_chat_cpu.bf16_linear(h.to(torch.bfloat16), self.linear.packed, self.out_features,
-                                                       None, True)
+        approx = torch.ops.triton_chat_cpu.bf16_linear(h.to(torch.bfloat16), self.linear.packed,
+                                                       self.linear.out_features, None, True)
         bound = self.error * torch.linalg.vector_norm(h, dim=-1, keepdim=True)
         top = (approx + bound).topk(self.CANDIDATES + 1, dim=-1)
         ids = top.indices[:, : self.CANDIDATES]
@@ -264,6 +268,13 @@ class Decoder(torch.nn.Module):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.kv_bytes_per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * dtype.itemsize
+
+    def weight_bytes(self) -> int:
+        """What a decode step reads of the weights, as this decoder keeps them: every matrix once (packed
+        where it is), the input embedding only by row (so not at all, to first order), and of the output
+        layer's float32 copy only the re-scored rows (``Head``; not at all, to first order)."""
+        tensors = [*self.parameters(), *self.context.packed]
+        return sum(t.numel() * t.element_size() for t in tensors) - self.embed.numel() * self.embed.element_size()
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                decode_slots: torch.Tensor, decode_lengths: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,19 @@ from launcher.repository import repository_variant
 from launcher.triton import TritonServer
 
 ADMIN_KEY = "test-admin-key"
+
+
+class Letters:
+    """A stand-in tokenizer for the engine's tests: token i is one letter, so stop strings can be written down."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+
+    def decode(self, ids: list[int], **_) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(self.size)}
 _servers: list[TritonServer] = []
 
 

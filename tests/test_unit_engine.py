@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.attention import NAME, use_grouped_attention
 from bench.static_llm import StaticGenerator
+from conftest import Letters
 from contract.errors import InvalidInput
 from contract.schema import FinishReason
 from contract.stops import partial_stop_length, visible_text
@@ -27,16 +28,6 @@ from llm.service import EngineLoop
 from llm.shapes import Shape, Shapes
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
-
-
-class Letters:
-    """A stand-in tokenizer: token i is one letter, so stop strings can be written down."""
-
-    def decode(self, ids: list[int], **_) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def get_vocab(self) -> dict[str, int]:
-        return {f"t{i}": i for i in range(256)}
 
 
 BUDGET = 208  # KV slots: 13 blocks

@@ -21,6 +21,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import Letters
 from launcher.paths import MODEL_REPOSITORY
 from llm import LLM, LLMConfig
 from llm.service import EngineLoop
@@ -118,14 +119,6 @@ def load_model(monkeypatch):
     return load
 
 
-class Letters:
-    def decode(self, ids: list[int], **_) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def get_vocab(self) -> dict[str, int]:
-        return {f"t{i}": i for i in range(128)}
-
-
 @pytest.fixture
 def llm_model(load_model):
     """The llm glue around a tiny random model, initialised by hand (no metrics, no files)."""
@@ -133,7 +126,7 @@ def llm_model(load_model):
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0)
     model = load_model("llm")
-    model.llm = LLM(LLMConfig("unused", compile=False), torch.device("cpu"), LlamaForCausalLM(config), Letters())
+    model.llm = LLM(LLMConfig("unused", compile=False), torch.device("cpu"), LlamaForCausalLM(config), Letters(128))
     model.llm.eos_ids = set()
     model.ids = (f"1-{n}" for n in itertools.count())
     model.fingerprint = np.array([[b"f"]], dtype=np.object_)

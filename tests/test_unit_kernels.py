@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import Letters
 from llm import kernels
 from llm import model as M
 
@@ -144,13 +145,6 @@ def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_n
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
     hf = LlamaForCausalLM(config).to(torch.bfloat16)
-
-    class Letters:
-        def decode(self, ids: list[int], **_) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
-
-        def get_vocab(self) -> dict[str, int]:
-            return {f"t{i}": i for i in range(256)}
 
     llm = LLM(LLMConfig("unused", compile=True, kv_cache_tokens=1024, default_max_tokens=8, max_tokens_limit=32, max_running_requests=8,
                         max_batched_tokens=32), torch.device("cpu"), hf, Letters())
