@@ -127,9 +127,8 @@ class LLM:
         self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
         # What runs the linear layers and decode attention, for the load log (llm/kernels.py says why).
-        unused = kernels.load() or "our kernels take bfloat16 only"
         self.kernels = ("torch" if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
-                        f"oneDNN ({unused})")
+                        f"oneDNN ({kernels.load() or 'our kernels take bfloat16 only'})")
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
                              config.max_stop_count, config.max_stop_bytes, self.fingerprint)
