@@ -44,6 +44,7 @@ class LLMConfig:
     max_queue_seconds: float = 60.0  # a request that waited this long for room is refused (overloaded)
     max_stop_count: int = 8
     max_stop_bytes: int = 128  # each stop string, UTF-8
+    stream_interval: int = 1  # a streamed reply's tokens go out this many at a time (its first and last at once)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -54,7 +55,7 @@ class LLMConfig:
                 f"got {self.default_max_tokens}"
             )
         for name in ("kv_cache_tokens", "max_running_requests", "max_queued_requests", "max_stop_count",
-                     "max_stop_bytes"):
+                     "max_stop_bytes", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parameter '{name}' must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_tokens % BLOCK_SIZE:

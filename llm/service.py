@@ -11,7 +11,11 @@ sending a response, asking whether a client cancelled and updating a metric each
 process, and the next step should not wait for them. The engine thread publishes which sequences
 changed; the responder thread gives each everything new since its last update, so when sending falls
 behind, an update carries several tokens instead of the queue growing, and the final one goes exactly
-once. The responder also lets the caller poll for cancellations, flushes the engine's metrics and, when
+once. With a ``stream_interval`` above 1, a streamed request's update waits until it holds that many new
+tokens (its first and its final update never wait), as vLLM's and SGLang's ``--stream-interval``: each
+update costs every hop after the engine (a response, an ensemble step, a postprocess call, an event to the
+client) the same whatever it carries, and on a CPU those hops take their time from the engine's.
+The responder also lets the caller poll for cancellations, flushes the engine's metrics and, when
 the server is stopping, ends what is left at the drain deadline and says when nothing is.
 
 The engine thread also builds the engine: all of torch's work happens on that one thread. OpenMP gives
@@ -83,6 +87,12 @@ class _Ticket:
     every_token: bool
     given: int = 0  # output ids in updates so far (every update but a final one carries at least one)
 
+    def due(self, interval: int) -> bool:
+        """Whether a streamed request's new tokens make an update: its first, or ``interval`` of them.
+        ``given`` is the responder's, read here on the engine thread: a stale value is smaller, so it can
+        only make an update come early, never hold one back."""
+        return self.every_token and (self.given == 0 or len(self.seq.output_ids) - self.given >= interval)
+
 
 class EngineLoop:
     """The engine's port: ``submit`` a validated request under a key, ``cancel`` it, and receive its
@@ -96,13 +106,16 @@ class EngineLoop:
         on_error: Callable[[str], None] = log.error,
         draining: Callable[[], Drain | None] = lambda: None,
         on_drained: Callable[[], None] = lambda: None,
+        stream_interval: int = 1,
     ) -> None:
         """``build`` makes the engine (on the engine thread; its error is raised here); ``on_update``
         hands an update to the caller (on the responder thread; raising cancels that request); ``poll`` is
         called there every CANCEL_POLL_SECONDS, for the caller to ``cancel`` requests whose clients have
         gone; ``draining`` says whether the server is stopping, and ``on_drained`` is called once, when it
-        is and every request taken has had its final update."""
+        is and every request taken has had its final update. A streamed request gets an update every
+        ``stream_interval`` tokens."""
         self.on_update = on_update
+        self.stream_interval = stream_interval
         self.poll = poll
         self.on_error = on_error
         self.draining = draining
@@ -187,8 +200,8 @@ class EngineLoop:
             except Exception as e:  # OOM, a device error or a bug: the thread must live and answer everyone
                 self.on_error(f"llm: step failed, {len(self.engine.running)} running requests lost: {e}")
                 changed = self.engine.fail_all(f"generation failed: {e}")
-            tickets = self._tickets
-            self._publish([s for s in changed if s.finished or (s in tickets and tickets[s].every_token)])
+            tickets, interval = self._tickets, self.stream_interval
+            self._publish([s for s in changed if s.finished or (s in tickets and tickets[s].due(interval))])
 
     def _poll(self) -> None:
         """Let the caller cancel, and see whether the server is stopping, at most every CANCEL_POLL_SECONDS."""

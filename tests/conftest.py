@@ -45,12 +45,14 @@ def tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def running_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, repository: Path = MODEL_REPOSITORY):
+def running_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, repository: Path = MODEL_REPOSITORY,
+                   **env: str):
+    """A server on ``repository``; ``env`` sets the configs' variables (``STREAM_INTERVAL="4"``)."""
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     # Tokenizer copies live under pytest's temporary folder, so that is a model root too.
     roots = os.pathsep.join([str(model_dir.parent), str(tmp_path_factory.getbasetemp())])
     triton = TritonServer(ports=Ports.free(), model_repository=repository, log_path=log_path, admin_key=ADMIN_KEY,
-                          model_env={"MODEL_DIR": str(model_dir), "MODEL_ROOTS": roots})
+                          model_env={"MODEL_DIR": str(model_dir), "MODEL_ROOTS": roots, **env})
     triton.start()
     _servers.append(triton)
     try:
@@ -71,11 +73,15 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonS
     48-token replies repeated after their prefix was cached (measured, docs/configuration.md). The
     automatic dtype is served by the tests that start their own servers (test_cli.py, test_kubernetes.py,
     test_bench.py's quick benchmark)."""
+    yield from running_server(model_dir, tmp_path_factory, float32_repository(tmp_path_factory))
+
+
+def float32_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped repository with llm in float32 (``server`` says why)."""
     def float32(config: str) -> str:
         return config.replace('key: "dtype" value: { string_value: "auto" }', 'key: "dtype" value: { string_value: "float32" }')
 
-    repository = repository_variant(tmp_path_factory.mktemp("float32") / "repository", float32)
-    yield from running_server(model_dir, tmp_path_factory, repository)
+    return repository_variant(tmp_path_factory.mktemp("float32") / "repository", float32)
 
 
 def running_frontend(server: TritonServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, **env: str):

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -183,3 +184,21 @@ def test_the_step_profile_times_a_decode_step_and_names_its_kernels(model_dir):
     assert re.search(r"^2 rows x 16 columns, torch\.\w+ \(.+\): [\d.]+ ms a step, [\d.]+ tok/s; weights read \d+ MB a step, "
                      r"bandwidth [\d.]+ GB/s: limit [\d.]+ ms \(\d+% of it\)$", result.stdout, re.M), result.stdout
     assert "Self CPU time total" in result.stdout
+
+
+def test_serving_costs_are_counted_by_process_and_named_by_program():
+    """bench.serving's accounting: a child that spins for 0.3 s of CPU is found below us, under its name."""
+    from bench.serving import cpu_seconds, process_tree
+
+    spin = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        name = os.path.basename(sys.executable)
+        deadline = time.monotonic() + 30
+        while cpu_seconds([child.pid]).get(name, 0) < 0.29 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.pid in process_tree(os.getpid())
+        assert 0.29 <= cpu_seconds([child.pid])[name] < 5
+    finally:
+        child.kill()
+        child.wait()

@@ -349,6 +349,7 @@ def test_invalid_requests_name_the_field_and_limit(llm, ids, kwargs, message):
         ({"kv_cache_tokens": 1000}, r"parameter 'kv_cache_tokens' must be a multiple of 16"),
         ({"max_batched_tokens": 64}, r"parameter 'max_batched_tokens' must exceed max_running_requests=64"),
         ({"max_queued_requests": 0}, "parameter 'max_queued_requests'"),
+        ({"stream_interval": 0}, "parameter 'stream_interval' must be >= 1, got 0"),
         ({"max_queue_seconds": 0.0}, "parameter 'max_queue_seconds'"),
     ],
 )
@@ -398,7 +399,7 @@ def test_prompt_logprobs_are_the_models_own_and_meet_the_generated_tokens(model,
 # The engine's port (llm/service.py): what Triton's glue and the static baseline both talk to.
 
 
-def port_run(llm: LLM, submit, requests: int, slow: float = 0.0) -> dict:
+def port_run(llm: LLM, submit, requests: int, slow: float = 0.0, stream_interval: int = 1) -> dict:
     """An EngineLoop on ``llm``: ``submit(loop)`` submits ``requests`` requests; their updates, by key,
     once each had its final one. Each step takes ``slow`` seconds more, so a test can act mid-request."""
     updates, ended = {}, threading.Semaphore(0)
@@ -414,7 +415,7 @@ def port_run(llm: LLM, submit, requests: int, slow: float = 0.0) -> dict:
         if update.finish_reason is not None:
             ended.release()
 
-    loop = EngineLoop(build, on_update)
+    loop = EngineLoop(build, on_update, stream_interval=stream_interval)
     try:
         submit(loop)
         assert all(ended.acquire(timeout=60) for _ in range(requests))
@@ -430,6 +431,26 @@ def test_the_port_streams_a_request_in_order_and_ends_it_once(llm):
     assert [u.finish_reason for u in updates] == [None] * (len(updates) - 1) + [FinishReason.LENGTH]
     assert [i for u in updates for i in u.ids[u.context:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
     assert all(len(u.logprobs) == len(u.ids) for u in updates) and updates[-1].completion_tokens == 12
+
+
+@pytest.mark.parametrize("interval", [2, 5])
+def test_the_port_streams_interval_tokens_at_a_time_after_the_first(llm, interval):
+    """vLLM's stream interval: the first token at once, then an update per ``interval`` new tokens, the
+    rest in the final one; a request that asked for its end only is not affected."""
+    request = llm.validate(PROMPTS[1], 16, ignore_eos=True, logprobs=True)
+
+    def submit(loop):
+        loop.submit(request, "streamed", every_token=True)
+        loop.submit(request, "whole")
+
+    updates = port_run(llm, submit, 2, slow=0.005, stream_interval=interval)
+    streamed = updates["streamed"]
+    new = [u.completion_tokens - before for u, before in zip(streamed, [0] + [u.completion_tokens for u in streamed])]
+    assert streamed[0].first and new[0] >= 1 and all(n >= interval for n in new[1:-1]), new
+    assert len(streamed) <= 2 + (16 - 1) // interval and streamed[-1].completion_tokens == 16
+    assert [i for u in streamed for i in u.ids[u.context:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
+    assert all(len(u.logprobs) == len(u.ids) for u in streamed)
+    assert len(updates["whole"]) == 1
 
 
 def test_the_port_gives_a_final_only_request_one_update_and_cancels_by_key(llm):

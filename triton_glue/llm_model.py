@@ -104,7 +104,8 @@ class TritonPythonModel:
                 f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
                 f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
                 f"{self.llm.kv_bytes_per_token} bytes = {config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "
-                f"up to {config.max_running_requests} running requests and {config.max_batched_tokens} tokens a step"
+                f"up to {config.max_running_requests} running requests and {config.max_batched_tokens} tokens a step, "
+                f"streamed {config.stream_interval} token{'s' if config.stream_interval > 1 else ''} at a time"
             )
             return engine
 
@@ -112,7 +113,8 @@ class TritonPythonModel:
         cancel.sweep()
         self.pending: dict[str, Pending] = {}  # by generation id: "<pid>-<n>", unique on the host
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
-        self.loop = EngineLoop(build, self._respond, self._poll, pb_utils.Logger.log_error, self._draining, self._drained)
+        self.loop = EngineLoop(build, self._respond, self._poll, pb_utils.Logger.log_error, self._draining, self._drained,
+                               config.stream_interval)
         self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
 
     def execute(self, requests: list) -> None:
