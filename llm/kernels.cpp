@@ -141,6 +141,25 @@ inline __m512 sums16(__m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
+// e^x for x <= 0 (scores less their maximum), sixteen at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
+// its Taylor polynomial to r^7 (relative error under 2e-7, below float32's rounding of the sum), 2^n put
+// in the exponent; x is taken no lower than -87 (e^-87, about 1.6e-38: nothing beside the maximum's 1).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // p x 2^n
+}
+
 // One query head over one row's keys and values, DIM wide (a multiple of 32), read in place through
 // the row's slots: scores by vdpbf16ps, a float32 softmax, then the values summed in registers.
 template <int DIM>
@@ -169,8 +188,15 @@ void attend(const c10::BFloat16* query, const c10::BFloat16* keys, const c10::BF
     scores[p] = _mm512_reduce_add_ps(dot(p)) * scale;
     top = std::max(top, scores[p]);
   }
-  float sum = 0.0f;
-  for (int64_t p = 0; p < length; ++p) sum += (scores[p] = std::exp(scores[p] - top));
+  const __m512 top16s = _mm512_set1_ps(top);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t p = 0; p < length; p += 16) {  // the tail masked: its lanes load and store nothing
+    const __mmask16 lanes = length - p >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - p)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + p), top16s));
+    _mm512_mask_storeu_ps(scores + p, lanes, e);
+    sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(lanes, e));
+  }
+  const float sum = _mm512_reduce_add_ps(sum16);
   __m512 acc[DIM / 16];
   for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < length; ++p) {
@@ -184,23 +210,26 @@ void attend(const c10::BFloat16* query, const c10::BFloat16* keys, const c10::BF
   for (int i = 0; i < DIM; ++i) out[i] = c10::BFloat16(result[i]);
 }
 
-// Decode attention over the paged cache, in place: one query token per row, attending to the first
-// lengths[r] of its slots[r] (cache slots, position by position); keys and values are read where they
+// Attention over the paged cache, in place: one query token per row, attending to the first lengths[r]
+// of its slots[r] (cache slots, position by position): a decode row over its context, or a prompt chunk's
+// token over its sequence's slots up to itself (causal); keys and values are read where they
 // lie (cache [kv_heads, slots, dim]), never gathered into a tensor of their own. One task per row and KV
 // head: its query heads read the same keys and values, still in L1 or L2 after the first.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lengths, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "paged_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16, "decode_attention: bfloat16 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches");
+                  v_cache.scalar_type() == at::kBFloat16, "paged_attention: bfloat16 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: contiguous caches");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 2 &&
-                  slots.size(0) == q.size(0) && lengths.numel() == q.size(0), "decode_attention: slots [rows, columns], lengths [rows]");
+                  slots.size(0) == q.size(0) && lengths.numel() == q.size(0), "paged_attention: slots [rows, columns], lengths [rows]");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(0);
   const int64_t cache_slots = k_cache.size(1), columns = slots.size(1), group = heads / kv_heads;
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == dim, "decode_attention: heads and dim");
-  TORCH_CHECK(dim == 64 || dim == 128, "decode_attention: head_dim 64 or 128 (llm/model.py sends no other)");
-  const at::Tensor qc = q.contiguous(), sc = slots.contiguous(), lc = lengths.contiguous();
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == dim, "paged_attention: heads and dim");
+  TORCH_CHECK(dim == 64 || dim == 128, "paged_attention: head_dim 64 or 128 (llm/model.py sends no other)");
+  // Rows may share one slot table (a prompt chunk's tokens: a stride of 0 between rows).
+  const at::Tensor qc = q.contiguous(), sc = slots.stride(1) == 1 ? slots : slots.contiguous(), lc = lengths.contiguous();
+  const int64_t row_stride = sc.stride(0);
   at::Tensor out = at::empty_like(qc);
   const auto* qp = qc.const_data_ptr<c10::BFloat16>();
   const auto* kp = k_cache.const_data_ptr<c10::BFloat16>();
@@ -216,9 +245,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int64_t at = (r * heads + h) * dim;
         const c10::BFloat16 *keys = kp + g * cache_slots * dim, *values = vp + g * cache_slots * dim;
         if (dim == 64)
-          attend<64>(qp + at, keys, values, sp + r * columns, length, float(scale), scores.data(), op + at);
+          attend<64>(qp + at, keys, values, sp + r * row_stride, length, float(scale), scores.data(), op + at);
         else
-          attend<128>(qp + at, keys, values, sp + r * columns, length, float(scale), scores.data(), op + at);
+          attend<128>(qp + at, keys, values, sp + r * row_stride, length, float(scale), scores.data(), op + at);
       }
     }
   });
@@ -228,7 +257,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 }  // namespace
 
 TORCH_LIBRARY(triton_chat_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float32=False) -> Tensor");
 }
@@ -236,5 +265,5 @@ TORCH_LIBRARY(triton_chat_cpu, m) {
 TORCH_LIBRARY_IMPL(triton_chat_cpu, CPU, m) {
   m.impl("bf16_pack", &bf16_pack);
   m.impl("bf16_linear", &bf16_linear);
-  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_attention", &paged_attention);
 }

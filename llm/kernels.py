@@ -78,7 +78,7 @@ def load() -> str | None:
                 detail = getattr(e, "stderr", None) or str(e)
                 return f"building {SOURCE.name} failed: {detail.strip()[-400:]}"
         torch.ops.load_library(str(target))
-        torch.library.register_fake("triton_chat_cpu::decode_attention",
+        torch.library.register_fake("triton_chat_cpu::paged_attention",
                                     lambda q, k_cache, v_cache, slots, lengths, scale: torch.empty_like(q))
         torch.library.register_fake("triton_chat_cpu::bf16_linear",
                                     lambda x, packed, n, bias, float32=False: x.new_empty(

@@ -92,9 +92,12 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of a mixed step as its decoder's ``Context.step`` describes it: the decode rows over
     their contexts, then each prompt chunk, causally, over its sequence's cached keys and values.
 
-    ``q`` is ``[tokens, heads, head_dim]``; keys and values are already in the cache. In a chunk, the query
-    heads that share a KV head are laid out as extra query rows (``[kv_heads, count x group, head_dim]``),
-    which PyTorch's CPU kernels run 4-5x faster than ``enable_gqa``.
+    ``q`` is ``[tokens, heads, head_dim]``; keys and values are already in the cache. On our CPU kernel
+    (``_in_place``) every token is a row of ``paged_attention``, which reads the cache where it lies: a
+    chunk's tokens share its slot table, each up to its own position (1.0 to 3.8x faster than the
+    gathered attention below, measured on 2 cores; docs/benchmark.md). Elsewhere a chunk's keys and values
+    are gathered, and the query heads that share a KV head are laid out as extra query rows
+    (``[kv_heads, count x group, head_dim]``), which PyTorch's CPU kernels run 4-5x faster than ``enable_gqa``.
     """
     out = torch.zeros_like(q)  # padding tokens get zeros: finite, whatever they feed
     heads, kv_heads, dim = q.shape[1], k_cache.shape[0], q.shape[2]
@@ -105,6 +108,11 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:rows] = decode_attention(q[:rows], k_cache, v_cache, step.decode_slots, step.decode_lengths, dim**-0.5)
     for c in step.chunks:
         rows = slice(c.first, c.first + c.count)
+        if _in_place(q):  # each token of the chunk a row over its sequence's slots, up to itself
+            lengths = c.start + 1 + torch.arange(c.count, device=q.device)
+            out[rows] = torch.ops.triton_chat_cpu.paged_attention(q[rows], k_cache, v_cache, c.slots.expand(c.count, -1),
+                                                                   lengths, dim**-0.5)
+            continue
         keys = k_cache.index_select(1, c.slots).unsqueeze(0)  # [1, kv_heads, context, dim]
         values = v_cache.index_select(1, c.slots).unsqueeze(0)
         query = q[rows].view(c.count, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, c.count * group, dim)
@@ -216,6 +224,12 @@ class Head(torch.nn.Module):
         return torch.ops.triton_chat.settled_logits(approx.scatter(1, ids, exact), h, unsure, self.context.key)
 
 
+def _in_place(q: torch.Tensor) -> bool:
+    """Whether attention runs on our CPU kernel (``llm/kernels.cpp``), which reads the paged cache where it
+    lies: bfloat16 on a CPU that has it, head_dim 64 or 128."""
+    return kernels.loaded and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per row over that row's ``lengths`` cached slots (``slots`` is ``[rows, columns]``).
@@ -224,8 +238,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The cache is head-major (``[kv_heads, slots, dim]``) so the gathered keys are already laid out as the
     matmul's batch of ``kv_heads x rows`` matrices.
     """
-    if kernels.loaded and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128):
-        return torch.ops.triton_chat_cpu.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+    if _in_place(q):
+        return torch.ops.triton_chat_cpu.paged_attention(q, k_cache, v_cache, slots, lengths, scale)
     rows, columns = slots.shape
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]

@@ -45,15 +45,17 @@ def test_bf16_linear_takes_strided_rows():
 
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("rows, columns, heads, kv_heads", [(1, 64, 9, 3), (16, 640, 9, 3), (3, 37, 8, 8), (5, 17, 32, 8)])
-def test_decode_attention_reads_the_paged_cache_in_place(dim, rows, columns, heads, kv_heads):
+@pytest.mark.parametrize("sharpness", [1, 40])
+def test_paged_attention_reads_the_paged_cache_in_place_for_decode_rows(dim, rows, columns, heads, kv_heads, sharpness):
     """Against the graph's own attention (llm/model.py's gather, softmax and matmuls) in float32:
-    scattered slots, ragged lengths (one position, a block and one, every column), grouped heads."""
+    scattered slots, ragged lengths (one position, a block and one, every column), grouped heads; scores
+    of order 1, and of order 100 (a softmax near one-hot: the kernel's exp far below the maximum)."""
     torch.manual_seed(rows * columns)
     k_cache, v_cache = torch.randn(kv_heads, 4096, dim).bfloat16(), torch.randn(kv_heads, 4096, dim).bfloat16()
-    q = torch.randn(rows, heads, dim).bfloat16()
+    q = (torch.randn(rows, heads, dim) * sharpness).bfloat16()
     slots = torch.randint(0, 4096, (rows, columns))
     lengths = torch.tensor([[1, 17, columns][i % 3] for i in range(rows)])
-    got = torch.ops.triton_chat_cpu.decode_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
+    got = torch.ops.triton_chat_cpu.paged_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
     assert kernels.loaded  # so the compiled graph takes this path for bfloat16
     kernels.loaded = False
     try:
@@ -61,6 +63,31 @@ def test_decode_attention_reads_the_paged_cache_in_place(dim, rows, columns, hea
     finally:
         kernels.loaded = True
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
+
+
+def test_a_mixed_steps_prompt_chunks_attend_in_place_as_the_gathered_attention_does():
+    """A mixed step's decode rows and prompt chunks (one from position 0, one from the middle of its
+    sequence) all go through the kernel, each chunk token over its sequence's slots up to itself: the
+    result is the gathered, causally masked attention's (float32), and nothing is gathered (no index op)."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    k_cache, v_cache = torch.randn(kv_heads, 2048, dim).bfloat16(), torch.randn(kv_heads, 2048, dim).bfloat16()
+    first, middle = torch.randperm(2048)[:40], torch.randperm(2048)[:300]
+    context = M.Context()
+    context.step = M.MixedStep(torch.randint(0, 2048, (2, 90)), torch.tensor([90, 3]),
+                               [M.PrefillChunk(2, 40, 0, first), M.PrefillChunk(42, 44, 256, middle)])
+    q = torch.randn(86 + 2, heads, dim).bfloat16()  # 2 decode rows, 40 + 44 chunk tokens, 2 padding
+    with torch.profiler.profile() as trace:
+        got = M.mixed_attention(q, k_cache, v_cache, context.key)
+    ops = {event.key for event in trace.key_averages()}
+    assert "triton_chat_cpu::paged_attention" in ops and not ops & {"aten::index_select", "aten::index"}, ops
+    kernels.loaded = False
+    try:
+        expected = M.mixed_attention(q.float(), k_cache.float(), v_cache.float(), context.key)
+    finally:
+        kernels.loaded = True
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
+    assert not got[86:].any()  # padding tokens: zeros
 
 
 @pytest.fixture(scope="module")
@@ -161,4 +188,4 @@ def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_n
             engine.step()
     assert COMPILATIONS.count == built and all(len(s.output_ids) == 8 + i for i, s in enumerate(seqs))
     ran = {event.name for event in trace.events()}
-    assert {"triton_chat_cpu::bf16_linear", "triton_chat_cpu::decode_attention", "triton_chat::settled_logits"} <= ran
+    assert {"triton_chat_cpu::bf16_linear", "triton_chat_cpu::paged_attention", "triton_chat::settled_logits"} <= ran
