@@ -127,8 +127,10 @@ class LLM:
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
         self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
-        # What runs the linear layers and decode attention, for the load log (llm/kernels.py says why).
-        self.kernels = ("torch" if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
+        # What runs the linear layers and attention, for the load log (llm/kernels.py and gpu_attention.py say why).
+        gpu = self.decoder.gpu_attention
+        self.kernels = (f"torch, attention {'in place (llm/gpu_attention.py)' if gpu is None else f'gathered: {gpu}'}"
+                        if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
                         f"oneDNN ({kernels.load() or 'our kernels take bfloat16 only'})")
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,

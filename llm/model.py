@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from llm import kernels
+from llm import gpu_attention, kernels
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # Llama-shaped decoders: RMSNorm, RoPE, GQA, SwiGLU
 
@@ -92,7 +92,7 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of a mixed step as its decoder's ``Context.step`` describes it: the decode rows over
     their contexts, then each prompt chunk, causally, over its sequence's cached keys and values.
 
-    ``q`` is ``[tokens, heads, head_dim]``; keys and values are already in the cache. On our CPU kernel
+    ``q`` is ``[tokens, heads, head_dim]``; keys and values are already in the cache. In place
     (``_in_place``) every token is a row of ``paged_attention``, which reads the cache where it lies: a
     chunk's tokens share its slot table, each up to its own position (1.0 to 3.8x faster than the
     gathered attention below, measured on 2 cores; docs/benchmark.md). Elsewhere a chunk's keys and values
@@ -110,8 +110,7 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = slice(c.first, c.first + c.count)
         if _in_place(q):  # each token of the chunk a row over its sequence's slots, up to itself
             lengths = c.start + 1 + torch.arange(c.count, device=q.device)
-            out[rows] = torch.ops.triton_chat_cpu.paged_attention(q[rows], k_cache, v_cache, c.slots.expand(c.count, -1),
-                                                                   lengths, dim**-0.5)
+            out[rows] = paged_attention(q[rows], k_cache, v_cache, c.slots.expand(c.count, -1), lengths, dim**-0.5)
             continue
         keys = k_cache.index_select(1, c.slots).unsqueeze(0)  # [1, kv_heads, context, dim]
         values = v_cache.index_select(1, c.slots).unsqueeze(0)
@@ -225,9 +224,19 @@ class Head(torch.nn.Module):
 
 
 def _in_place(q: torch.Tensor) -> bool:
-    """Whether attention runs on our CPU kernel (``llm/kernels.cpp``), which reads the paged cache where it
-    lies: bfloat16 on a CPU that has it, head_dim 64 or 128."""
-    return kernels.loaded and q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+    """Whether attention reads the paged cache where it lies: our CPU kernel (``llm/kernels.cpp``: bfloat16
+    on a CPU that has it, head_dim 64 or 128), or on CUDA ``llm/gpu_attention.py``'s once its ``load``
+    found it right on this device."""
+    if q.device.type == "cpu":
+        return kernels.loaded and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+    return gpu_attention.ready
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """The in-place kernel of ``q``'s device (``_in_place``): a row per query token over its slots."""
+    on = torch.ops.triton_chat_cpu if q.device.type == "cpu" else torch.ops.triton_chat_gpu
+    return on.paged_attention(q, k_cache, v_cache, slots, lengths, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -239,7 +248,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     matmul's batch of ``kv_heads x rows`` matrices.
     """
     if _in_place(q):
-        return torch.ops.triton_chat_cpu.paged_attention(q, k_cache, v_cache, slots, lengths, scale)
+        return paged_attention(q, k_cache, v_cache, slots, lengths, scale)
     rows, columns = slots.shape
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[0]
@@ -282,6 +291,9 @@ class Decoder(torch.nn.Module):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.kv_bytes_per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * dtype.itemsize
+        # On CUDA, attention in place once the kernel proves right here (llm/gpu_attention.py); else gathered.
+        self.gpu_attention = None if device.type != "cuda" else gpu_attention.load(
+            device, self.heads, self.kv_heads, self.head_dim, dtype, decode_attention)
 
     def weight_bytes(self) -> int:
         """What a decode step reads of the weights, as this decoder keeps them: every matrix once (packed
