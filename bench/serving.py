@@ -32,11 +32,13 @@ from pathlib import Path
 import torch
 
 from bench.__main__ import FULL, machine, start, sweep_triton, workloads
+from launcher.install import has_gpu
 from launcher.model import prepare_default_model
 from launcher.paths import MODEL_REPOSITORY
 from llm import LLM, LLMConfig, configure_threads
 from llm.service import EngineLoop
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
+from triton_glue.stubs import stat, stubs
 
 log = logging.getLogger("bench.serving")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -47,9 +49,11 @@ def engine_alone(model_dir: Path, prompts: list[list[int]], max_tokens: int, con
     that only counts them: a warm-up round, then ``FULL.requests(c)`` requests, as the served points."""
     built: list[LLM] = []
 
+    device = torch.device("cuda:0" if has_gpu() else "cpu")  # where the server puts llm
+
     def build():
-        configure_threads(1, torch.device("cpu"))
-        built.append(LLM(LLMConfig(str(model_dir), max_tokens_limit=512), torch.device("cpu")))
+        configure_threads(1, device)
+        built.append(LLM(LLMConfig(str(model_dir), max_tokens_limit=512), device))
         return built[0].engine()
 
     ended: queue.Queue = queue.Queue()
@@ -80,46 +84,25 @@ def engine_alone(model_dir: Path, prompts: list[list[int]], max_tokens: int, con
     return points
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                todo += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-            except OSError:
-                pass
-    return found
-
-
-def cpu_seconds(pids: list[int]) -> dict[str, float]:
-    """CPU seconds (user + system) by process, named by the model a Python stub serves, else by program."""
-    seconds: dict[str, float] = {}
-    for pid in pids:
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        name = Path(args[1]).parts[-3] if args[0].endswith("triton_python_backend_stub") else Path(args[0]).name
-        fields = stat[stat.rindex(")") + 2:].split()
-        seconds[name] = seconds.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS
-    return seconds
+def cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a tritonserver and of each model's Python stubs, by model
+    (``triton_glue/stubs.py`` finds them)."""
+    processes = {"tritonserver": {server_pid}} | stubs(server_pid)
+    return {name: sum(int(f[11]) + int(f[12]) for pid in pids if (f := stat(pid))) / TICKS
+            for name, pids in processes.items()}
 
 
 def served(model_dir: Path, sets: dict, concurrency: tuple[int, ...], stream_interval: int, out: Path) -> list[dict]:
     """``generate_stream`` points at each concurrency, with every process's CPU seconds per token."""
-    server, _ = start(MODEL_REPOSITORY, model_dir, out, f"serving-interval-{stream_interval}", "" if torch.cuda.is_available() else "cpu",
+    server, _ = start(MODEL_REPOSITORY, model_dir, out, f"serving-interval-{stream_interval}", "" if has_gpu() else "cpu",
                       STREAM_INTERVAL=str(stream_interval))
     points = []
     try:
         for c in concurrency:
             plan = replace(FULL, concurrency=(c,))
-            before, client = cpu_seconds(process_tree(server.process.pid)), time.process_time()
+            before, client = cpu_seconds(server.process.pid), time.process_time()
             [point] = asyncio.run(sweep_triton("ensemble_http", "", server, sets, plan, (c,)))
-            after, client = cpu_seconds(process_tree(server.process.pid)), time.process_time() - client
+            after, client = cpu_seconds(server.process.pid), time.process_time() - client
             # The warm-up round ran inside the window too: count its tokens (c replies) with the measured ones.
             tokens = point["output_tokens"] + c * sets["fixed"][0].max_tokens
             per_token = {name: 1e3 * (after[name] - before.get(name, 0.0)) / tokens for name in after}

@@ -12,7 +12,7 @@ traces it into the compiled decode step, and it runs inside the CUDA graphs capt
 Where: CUDA devices where ``triton`` imports (the CUDA builds of torch ship it). ``load`` compiles it and
 checks it once against the gathered attention on the device before the engine uses it, and says why
 not otherwise; the step then gathers as before. Its arithmetic is tested on the CPU in Triton's
-interpreter (``TRITON_INTERPRET=1``, tests/test_unit_kernels.py); on a GPU the engine tests run it.
+interpreter (``TRITON_INTERPRET=1``, tests/test_unit_gpu_attention.py); on a GPU the engine tests run it.
 """
 
 from __future__ import annotations

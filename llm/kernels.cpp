@@ -216,7 +216,7 @@ void attend(const c10::BFloat16* query, const c10::BFloat16* keys, const c10::BF
 // lie (cache [kv_heads, slots, dim]), never gathered into a tensor of their own. One task per row and KV
 // head: its query heads read the same keys and values, still in L1 or L2 after the first.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+                           const at::Tensor& slots, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "paged_attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16, "paged_attention: bfloat16 only");

@@ -186,19 +186,18 @@ def test_the_step_profile_times_a_decode_step_and_names_its_kernels(model_dir):
     assert "Self CPU time total" in result.stdout
 
 
-def test_serving_costs_are_counted_by_process_and_named_by_program():
-    """bench.serving's accounting: a child that spins for 0.3 s of CPU is found below us, under its name."""
-    from bench.serving import cpu_seconds, process_tree
+def test_serving_costs_count_a_servers_cpu_seconds():
+    """bench.serving's accounting: a process that spins for 0.3 s of CPU is counted as the server
+    (its stubs are found and named by model by triton_glue/stubs.py, which test_server_faults.py uses on a real server)."""
+    from bench.serving import cpu_seconds
 
     spin = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", spin])
     try:
-        name = os.path.basename(sys.executable)
         deadline = time.monotonic() + 30
-        while cpu_seconds([child.pid]).get(name, 0) < 0.29 and time.monotonic() < deadline:
+        while cpu_seconds(child.pid)["tritonserver"] < 0.29 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert child.pid in process_tree(os.getpid())
-        assert 0.29 <= cpu_seconds([child.pid])[name] < 5
+        assert 0.29 <= cpu_seconds(child.pid)["tritonserver"] < 5
     finally:
         child.kill()
         child.wait()
