@@ -190,8 +190,9 @@ async def sweep_openai(frontend: OpenAIFrontend, dtype: str, sets: dict, plan: P
                            frontend.triton.url)
 
 
-async def sweep_peer(server: peers.OpenAIServer, sets: dict, plan: Plan, ids: dict[str, list[int]]) -> tuple[list[dict], dict]:
-    """A peer's points, after checking on a few prompts that it makes as many prompt tokens of them as we do
+async def sweep_peer(server: peers.OpenAIServer, sets: dict, plan: Plan, ids: dict[str, list[int]],
+                     concurrency: tuple[int, ...]) -> tuple[list[dict], dict]:
+    """A peer's points at ``concurrency``, after checking on a few prompts that it makes as many prompt tokens of them as we do
     (same chat template and tokenizer, so the same work)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
                                      connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
@@ -200,7 +201,7 @@ async def sweep_peer(server: peers.OpenAIServer, sets: dict, plan: Plan, ids: di
         ours = [len(ids[text]) for text in sample]
         check = {"prompts": len(sample), "agree": theirs == ours, "ours": ours, "theirs": theirs}
         send = load.openai_stream(session, server.url, server.model)
-        return await sweep(server.name, server.dtype, send, sets, plan, plan.concurrency), check
+        return await sweep(server.name, server.dtype, send, sets, plan, concurrency), check
 
 
 async def ensemble_overhead(url: str, ids: dict, items: list[workload.Item], count: int) -> dict:
@@ -237,10 +238,10 @@ def start(repository: Path, model_dir: Path, out: Path, name: str, config_name: 
 
 
 def chat_points(system: str, dtype: str, url: str, model: str, plan: Plan, prefix_caching: bool,
-                fresh_connections: bool = False) -> list[dict]:
-    """The multi-turn chat workload on one system, at each of the plan's concurrencies."""
+                fresh_connections: bool = False, concurrency: tuple[int, ...] | None = None) -> list[dict]:
+    """The multi-turn chat workload on one system, at ``concurrency`` (by default each of the plan's)."""
     rows = []
-    for c in plan.chat_concurrency:
+    for c in plan.chat_concurrency if concurrency is None else concurrency:
         measured = asyncio.run(chat.measure(url, model, c, plan.chat_turns, plan.chat_tokens, fresh_connections))
         rows.append({"system": system, "dtype": dtype, "prefix_caching": prefix_caching, **measured})
         log.info("%s chat c=%d (prefix caching %s): %.1f tok/s, TTFT p50 first %.0f ms, later %.0f ms", system, c,
@@ -252,33 +253,43 @@ def chat_points(system: str, dtype: str, url: str, model: str, plan: Plan, prefi
 def run_peers(plan: Plan, sets: dict, ids: dict, model_dir: Path, dtype: str, out: Path,
               chat_context: int) -> tuple[list[dict], list[dict], list[dict]]:
     """llama-server (F32 and BF16) and vLLM, one at a time; a peer that cannot run says why. The chat
-    workload runs on vLLM and on the llama-server of our dtype."""
-    slots = max(plan.concurrency)
+    workload runs on vLLM and on the llama-server of our dtype.
+
+    llama-server runs each concurrency on a server of its own with one slot per client, its best
+    configuration there: its slots split the context and decode as one batch, so spare slots cost it
+    (379.6 against 330.4 tok/s at c=16 with 16 slots against 64, AMD EPYC 2 cores). vLLM's
+    ``max_num_seqs`` only caps its batch, so one server serves every point."""
     context = max(chat_context, max(len(ids[i.text_input]) + i.max_tokens for items in sets.values() for i in items) + 16)
     points, notes, chats = [], [], []
     bin_dir = peers.build_llama_cpp(out)
     for gguf_dtype in ("BF16", "F32"):
-        server = peers.llama_server(bin_dir, peers.llama_gguf(bin_dir, gguf_dtype, out), gguf_dtype, slots, context, out)
-        try:
-            server.wait_ready(300)
-            found, check = asyncio.run(sweep_peer(server, sets, plan, ids))
-            points += found
-            if gguf_dtype.lower() == {"bfloat16": "bf16"}.get(dtype, "f32"):
-                chats += chat_points(server.name, server.dtype, server.url, server.model, plan, True, fresh_connections=True)
-            notes.append({"system": server.name, "status": f"ran; prompt tokens agree with ours on {check['prompts']} "
-                          f"prompts: {'yes' if check['agree'] else 'no'}", "prompt_check": check})
-        except Exception as e:  # a peer that fails is reported, never hidden
-            notes.append({"system": server.name, "status": f"failed: {e}; see {server.name}.log"})
-        finally:
-            server.stop()
+        gguf = peers.llama_gguf(bin_dir, gguf_dtype, out)
+        chat = gguf_dtype.lower() == {"bfloat16": "bf16"}.get(dtype, "f32")
+        for slots in sorted(set(plan.concurrency) | set(plan.chat_concurrency if chat else ())):
+            server = peers.llama_server(bin_dir, gguf, gguf_dtype, slots, context, out)
+            try:
+                server.wait_ready(300)
+                if slots in plan.concurrency:
+                    found, check = asyncio.run(sweep_peer(server, sets, plan, ids, (slots,)))
+                    points += found
+                    notes.append({"system": server.name, "status": f"ran with {slots} slots; prompt tokens agree with "
+                                  f"ours on {check['prompts']} prompts: {'yes' if check['agree'] else 'no'}",
+                                  "prompt_check": check})
+                if slots in plan.chat_concurrency and chat:
+                    chats += chat_points(server.name, server.dtype, server.url, server.model, plan, True,
+                                         fresh_connections=True, concurrency=(slots,))
+            except Exception as e:  # a peer that fails is reported, never hidden
+                notes.append({"system": server.name, "status": f"failed with {slots} slots: {e}; see {server.name}.log"})
+            finally:
+                server.stop()
     python = peers.install_vllm(out)
     if python is None:
         notes.append({"system": "vllm", "status": f"could not be installed: see vllm-install.log ({peers.VLLM})"})
         return points, notes, chats
-    server = peers.vllm_server(python, model_dir, dtype, slots, context, out)
+    server = peers.vllm_server(python, model_dir, dtype, max(plan.concurrency), context, out)
     try:
         server.wait_ready(900)
-        found, check = asyncio.run(sweep_peer(server, sets, plan, ids))
+        found, check = asyncio.run(sweep_peer(server, sets, plan, ids, plan.concurrency))
         points += found
         chats += chat_points(server.name, server.dtype, server.url, server.model, plan, True)
         notes.append({"system": "vllm", "status": f"ran ({peers.VLLM}); prompt tokens agree: {check['agree']}",

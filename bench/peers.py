@@ -103,7 +103,7 @@ def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_
     port = free_port()
     cmd = [bin_dir / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", port,
            "-t", len(os.sched_getaffinity(0)), "-np", slots, "-c", slots * context_per_slot, "-cb", "--no-webui"]
-    out = open(logs / f"llama-server-{dtype}.log", "wb")
+    out = open(logs / f"llama-server-{dtype}.log", "ab")  # one server per concurrency: their logs one after another
     process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
     return OpenAIServer(f"llama_server_{dtype.lower()}", GGUF_DTYPES[dtype], f"http://127.0.0.1:{port}", process, gguf.name)
 
