@@ -235,7 +235,7 @@ def measured_running_target() -> int:
     points = json.loads((REPO_ROOT / "docs" / "benchmark" / "results.json").read_text())["points"]
     ok = {}
     for p in points:
-        if p["system"] == "ensemble_http":
+        if p["system"] == "ensemble_http" and p["workload"] in ("fixed", "variable"):
             ok.setdefault(p["concurrency"], []).append(p["ttft_p50_ms"] <= 500)
     return max(c for c, fine in ok.items() if len(fine) == 2 and all(fine))
 
