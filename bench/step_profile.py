@@ -39,16 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--columns", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weights", default="auto", help="the weights setting (docs/configuration.md#weights)")
     parser.add_argument("--profile", action="store_true", help="also torch's per-operator table")
     args = parser.parse_args(argv)
-    llm = LLM(LLMConfig(str(prepare_default_model()), dtype=args.dtype, compile=True, max_tokens_limit=512,
+    llm = LLM(LLMConfig(str(prepare_default_model()), dtype=args.dtype, weights=args.weights, compile=True, max_tokens_limit=512,
                         kv_cache_tokens=max(16384, args.rows * (args.columns + 160)), max_running_requests=64),
               torch.device("cpu"))
     engine = llm.engine()
     step_seconds(llm, engine, args.rows, args.columns, 8)  # a first pass through every path
     seconds = min(step_seconds(llm, engine, args.rows, args.columns, 64) for _ in range(3))
     read, weights = bandwidth(torch.device("cpu"), gib=1.0, repeats=5), llm.decoder.weight_bytes()
-    print(f"{args.rows} rows x {args.columns} columns, {llm.dtype} ({llm.kernels}): {seconds * 1e3:.2f} ms a step, "
+    print(f"{args.rows} rows x {args.columns} columns, {llm.dtype}, weights {args.weights} ({llm.kernels}): {seconds * 1e3:.2f} ms a step, "
           f"{args.rows / seconds:.1f} tok/s; weights read {weights / 1e6:.0f} MB a step, bandwidth {read / 1e9:.1f} GB/s: "
           f"limit {weights / read * 1e3:.2f} ms ({weights / read / seconds:.0%} of it)")
     if args.profile:

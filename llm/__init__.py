@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from contract.paths import allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
-from llm import kernels
+from llm import kernels, quant
 from llm.engine import Engine
 from llm.grammar import Grammars
 from llm.kv import BLOCK_SIZE, BlockHasher, BlockTable, cache_slots
@@ -24,6 +24,7 @@ from llm.sequence import Metrics
 from llm.shapes import Shapes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHT_DTYPES = {"bf16": "bfloat16", "f32": "float32"}  # weights settings that choose the dtype too
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class LLMConfig:
 
     model_dir: str
     dtype: str = "auto"  # auto: bfloat16 where the hardware computes it natively, see resolve_dtype
+    weights: str = "auto"  # the linear layers' storage: auto (the dtype), bf16, f32, int8 or int4 (llm/quant.py)
     compile: bool = True  # torch.compile the forward pass (CUDA graphs on GPUs); false runs it eagerly
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = MAX_TOKENS_LIMIT
@@ -49,6 +51,12 @@ class LLMConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"parameter 'dtype' must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in quant.SETTINGS:
+            raise ValueError(f"parameter 'weights' must be one of {', '.join(quant.SETTINGS)}, got {self.weights!r}")
+        wanted = WEIGHT_DTYPES.get(self.weights)
+        if wanted and self.dtype not in ("auto", wanted):
+            raise ValueError(f"parameter 'weights' is {self.weights}, which runs the model in {wanted}, but parameter "
+                             f"'dtype' is {self.dtype}: set dtype to auto or {wanted}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(
                 f"parameter 'default_max_tokens' must be in [1, max_tokens_limit={self.max_tokens_limit}], "
@@ -72,10 +80,12 @@ class LLMConfig:
             raise ValueError(f"parameter 'max_context_tokens' must be >= 0, got {self.max_context_tokens}")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on GPUs that support it (float16 on older ones), and on CPUs with native bfloat16
-    arithmetic (AVX512-BF16 or AMX), which halves the bytes every decode step reads; float32 elsewhere,
-    where bfloat16 would be emulated and slower."""
+def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
+    """``weights`` bf16 or f32 name the dtype. Else ``auto``: bfloat16 on GPUs that support it (float16 on
+    older ones), and on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), which halves the bytes
+    every decode step reads; float32 elsewhere, where bfloat16 would be emulated and slower."""
+    if weights in WEIGHT_DTYPES:
+        return DTYPES[WEIGHT_DTYPES[weights]]
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
@@ -87,7 +97,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
     """The Hugging Face model of ``config.model_dir`` in the resolved dtype, on ``device``."""
     return AutoModelForCausalLM.from_pretrained(
-        allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device),
+        allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device, config.weights),
         local_files_only=True, trust_remote_code=False,
     ).to(device).eval()
 
@@ -125,13 +135,19 @@ class LLM:
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = hf.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-        self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens)
+        quant.check(config.weights, device)
+        self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens, config.weights)
+        self.weight_bytes = self.decoder.weight_bytes()
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
         # What runs the linear layers and attention, for the load log (llm/kernels.py and gpu_attention.py say why).
         gpu = self.decoder.gpu_attention
         self.kernels = (f"torch, attention {'in place (llm/gpu_attention.py)' if gpu is None else f'gathered: {gpu}'}"
                         if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
                         f"oneDNN ({kernels.load() or 'our kernels take bfloat16 only'})")
+        if config.weights in quant.QUANTIZED:
+            ours = self.decoder.layers[0].down.ours
+            self.kernels = (f"{config.weights} linear layers on {'our CPU kernel' if ours else 'torch weight-only kernels'}, "
+                            f"the rest on {self.kernels}")
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
                              config.max_stop_count, config.max_stop_bytes, self.fingerprint)
@@ -158,7 +174,7 @@ class LLM:
         self.grammars.prepare()
         # The model's folder, dtype and vocabulary lead every block's hash chain: one engine serves one
         # model, and a key written for another is never taken for its own.
-        hasher = BlockHasher(f"{c.model_dir}\0{self.dtype}\0{self.fingerprint}") if c.prefix_caching else None
+        hasher = BlockHasher(f"{c.model_dir}\0{self.dtype}\0{c.weights}\0{self.fingerprint}") if c.prefix_caching else None
         return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars, hasher)
 
     def decode(self, ids: list[int]) -> str:

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -31,14 +32,13 @@ constexpr int64_t kGroup = 64;   // output rows a group packs: four vectors of s
 constexpr int64_t kSlice = 128;  // column pairs per slice: 64 rows x 256 columns x 2 bytes = 32 KiB, L1's size
 constexpr int64_t kRowsPerPass = 4;
 
-// acc[m][j] (+)= x[m, 2 p0 : 2 p1] . packed group slice, for MR rows of x.
+// acc[m][j] (+)= x[m, 2 p0 : 2 p1] . a group's slice of packed weights (``wp``: its pair p0), for MR rows of x.
 template <int MR>
-inline void slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_t p0, int64_t p1, float* out,
+inline void slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* wp, int64_t p0, int64_t p1, float* out,
                   bool first) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * kGroup + 16 * j);
-  const c10::BFloat16* wp = w + p0 * kGroup * 2;
   for (int64_t p = p0; p < p1; ++p, wp += kGroup * 2) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
@@ -54,34 +54,91 @@ inline void slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* w, int64_
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
 }
 
-// packed: [groups, pairs, 64, 2] bfloat16 from w [N, K]; rows past N and the column past an odd K are zeros.
-at::Tensor bf16_pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: a bfloat16 matrix [N, K]");
+// packed: [groups, pairs, 64, 2] from w [N, K] (bfloat16 or int8); rows past N and the column past an odd K are zeros.
+template <typename T>
+at::Tensor pack(const at::Tensor& w) {
   const at::Tensor c = w.contiguous();
   const int64_t N = c.size(0), K = c.size(1), groups = (N + kGroup - 1) / kGroup, pairs = (K + 1) / 2;
   at::Tensor packed = at::zeros({groups, pairs, kGroup, 2}, c.options());
-  const auto* src = c.const_data_ptr<c10::BFloat16>();
-  auto* dst = packed.mutable_data_ptr<c10::BFloat16>();
+  const auto* src = c.const_data_ptr<T>();
+  auto* dst = packed.mutable_data_ptr<T>();
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k) dst[(((n / kGroup) * pairs + k / 2) * kGroup + n % kGroup) * 2 + k % 2] = src[n * K + k];
   return packed;
 }
 
-template <typename Out>
-void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const float* bias) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = Out(out[m * kGroup + r] + (bias ? bias[r] : 0.0f));
+at::Tensor bf16_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: a bfloat16 matrix [N, K]");
+  return pack<c10::BFloat16>(w);
 }
 
-// y = x @ w.T (+ bias), bfloat16, or float32 with ``float32`` (logits: the sums are float32 already).
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
-                       bool float32) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x is bfloat16 [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(1) == (x.size(1) + 1) / 2 &&
-                  packed.size(0) * kGroup >= N && packed.is_contiguous(),
-              "bf16_linear: the weight must come from bf16_pack, K = x.size(1)");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
-              "bf16_linear: a float32 bias of N");
+at::Tensor int8_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8_pack: an int8 matrix [N, K]");
+  return pack<int8_t>(q);
+}
+
+// 32 int8 weights (16 rows x a pair of columns, packed order) as bfloat16, exactly: |q| <= 127 fits its 8 bits.
+inline __m512bh widen_int8(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// slice() over int8 weights, widened in registers as they are read (a few rows of x: widening into L1 and
+// reading back would cost more than the dot products).
+template <int MR>
+inline void slice_int8(const uint32_t* x, int64_t ldx, const int8_t* wp, int64_t p0, int64_t p1, float* out,
+                       bool first) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * kGroup + 16 * j);
+  for (int64_t p = p0; p < p1; ++p, wp += kGroup * 2) {
+    const __m512bh w0 = widen_int8(wp), w1 = widen_int8(wp + 32), w2 = widen_int8(wp + 64), w3 = widen_int8(wp + 96);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xv, w3);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
+}
+
+template <typename Out>
+void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const float* scale, const float* bias) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < rows; ++r)
+      y[m * ldy + r] = Out(out[m * kGroup + r] * (scale ? scale[r] : 1.0f) + (bias ? bias[r] : 0.0f));
+}
+
+// Calls f(std::integral_constant<int, MR>) for the next MR = min(4, left) rows of x.
+template <typename F>
+inline void rows(int64_t left, F f) {
+  switch (std::min(kRowsPerPass, left)) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// y = x @ w.T (x scale) (+ bias) over weights W (bfloat16 or int8) packed by pack<W>. int8 slices are
+// widened to bfloat16 in registers as they are read for a few rows of x, and for more rows (a prompt
+// chunk) once into an L1 buffer that every row then reads.
+template <typename W>
+at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias, bool float32) {
+  constexpr bool int8 = std::is_same_v<W, int8_t>;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x is bfloat16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == (int8 ? at::kChar : at::kBFloat16) && packed.dim() == 4 &&
+                  packed.size(2) == kGroup && packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kGroup >= N &&
+                  packed.is_contiguous(),
+              name, ": the weight must come from its pack, K = x.size(1)");
+  for (const auto* v : {&scale, &bias})
+    TORCH_CHECK(!*v || ((*v)->scalar_type() == at::kFloat && (*v)->is_contiguous() && (*v)->numel() == N), name,
+                ": float32 scales and bias of N");
   const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), groups = packed.size(0);
   // x's rows as pairs of columns (one 32-bit word each), padded to an even K with a zero column.
   at::Tensor xs = x;
@@ -92,34 +149,62 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::Tensor y = at::empty({M, N}, x.options().dtype(float32 ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return y;
   const auto* xp = reinterpret_cast<const uint32_t*>(xs.const_data_ptr<c10::BFloat16>());
-  const auto* wp = packed.const_data_ptr<c10::BFloat16>();
+  const W* w = packed.const_data_ptr<W>();
+  const float* sp = scale ? scale->const_data_ptr<float>() : nullptr;
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  const bool widen = int8 && M > kRowsPerPass;
   // Each thread takes a contiguous run of groups, so each streams its share of the weights front to back.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(M * kGroup);
+    std::vector<c10::BFloat16> buffer(widen ? kSlice * kGroup * 2 : 0);
     for (int64_t g = begin; g < end; ++g) {
-      const c10::BFloat16* wg = wp + g * pairs * kGroup * 2;
       for (int64_t p0 = 0; p0 < pairs; p0 += kSlice) {
         const int64_t p1 = std::min(pairs, p0 + kSlice);
+        const W* wp = w + (g * pairs + p0) * kGroup * 2;
+        const c10::BFloat16* wb = nullptr;
+        if constexpr (int8) {
+          if (widen) {
+            for (int64_t i = 0; i < (p1 - p0) * kGroup * 2; i += 32)
+              _mm512_storeu_si512(buffer.data() + i, (__m512i)widen_int8(wp + i));
+            wb = buffer.data();
+          }
+        } else {
+          wb = wp;
+        }
         for (int64_t m = 0; m < M; m += kRowsPerPass) {
           const uint32_t* xm = xp + m * pairs;
           float* om = out.data() + m * kGroup;
-          switch (std::min(kRowsPerPass, M - m)) {
-            case 4: slice<4>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
-            case 3: slice<3>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
-            case 2: slice<2>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
-            default: slice<1>(xm, pairs, wg, p0, p1, om, p0 == 0); break;
-          }
+          rows(M - m, [&](auto mr) {
+            constexpr int MR = decltype(mr)::value;
+            if constexpr (int8) {
+              if (!wb) return slice_int8<MR>(xm, pairs, wp, p0, p1, om, p0 == 0);
+            }
+            slice<MR>(xm, pairs, wb, p0, p1, om, p0 == 0);
+          });
         }
       }
-      const int64_t n0 = g * kGroup, rows = std::min(kGroup, N - n0);
+      const int64_t n0 = g * kGroup, rows_here = std::min(kGroup, N - n0);
+      const float *sg = sp ? sp + n0 : nullptr, *bg = bp ? bp + n0 : nullptr;
       if (float32)
-        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, rows, bp ? bp + n0 : nullptr);
+        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, rows_here, sg, bg);
       else
-        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, rows, bp ? bp + n0 : nullptr);
+        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, rows_here, sg, bg);
     }
   });
   return y;
+}
+
+// y = x @ w.T (+ bias), bfloat16, or float32 with ``float32`` (logits: the sums are float32 already).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                       bool float32) {
+  return linear<c10::BFloat16>("bf16_linear", x, packed, N, std::nullopt, bias, float32);
+}
+
+// y = (x @ q.T) x scale (+ bias), bfloat16: int8 weights with a float32 scale per output row (weights: int8).
+// The int8 weights are read from memory, half of bfloat16's bytes, and widened exactly in L1.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  return linear<int8_t>("int8_linear", x, packed, N, scale, bias, false);
 }
 
 inline __m512 widen(const c10::BFloat16* p) {  // 16 bfloat16 as float32
@@ -260,10 +345,14 @@ TORCH_LIBRARY(triton_chat_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float32=False) -> Tensor");
+  m.def("int8_pack(Tensor q) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int N, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triton_chat_cpu, CPU, m) {
   m.impl("bf16_pack", &bf16_pack);
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("int8_pack", &int8_pack);
+  m.impl("int8_linear", &int8_linear);
   m.impl("paged_attention", &paged_attention);
 }

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from llm import gpu_attention, kernels
+from llm import gpu_attention, kernels, quant
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")  # Llama-shaped decoders: RMSNorm, RoPE, GQA, SwiGLU
 
@@ -265,7 +265,9 @@ class Decoder(torch.nn.Module):
     """The weights of a loaded Hugging Face model, regrouped for one GEMM per projection group, plus the
     KV cache: ``slots`` token slots per layer, allocated once."""
 
-    def __init__(self, hf: PreTrainedModel, slots: int, positions: int) -> None:
+    def __init__(self, hf: PreTrainedModel, slots: int, positions: int, weights: str = "auto") -> None:
+        """``weights``: the linear layers' storage (``llm/quant.py`` for ``int8`` and ``int4``; any other
+        setting keeps the model's dtype)."""
         super().__init__()
         c = hf.config
         if c.model_type not in SUPPORTED or getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
@@ -280,7 +282,8 @@ class Decoder(torch.nn.Module):
         body = hf.model
         self.context = Context()
         self.embed = body.embed_tokens.weight
-        self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context) for layer in body.layers)
+        self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context, weights, i)
+                                          for i, layer in enumerate(body.layers))
         self.norm = body.norm.weight
         self.lm_head = Head(hf.lm_head.weight, self.context)
         cos, sin = body.rotary_emb(torch.zeros(1, dtype=dtype, device=device), torch.arange(positions, device=device)[None])
@@ -365,21 +368,29 @@ class Decoder(torch.nn.Module):
 
 
 class _Layer(torch.nn.Module):
-    def __init__(self, layer: torch.nn.Module, kv_heads: int, head_dim: int, context: Context) -> None:
+    def __init__(self, layer: torch.nn.Module, kv_heads: int, head_dim: int, context: Context, weights: str,
+                 index: int) -> None:
         super().__init__()
         a, mlp = layer.self_attn, layer.mlp
+
+        def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Module:
+            if weights not in quant.QUANTIZED:
+                return Linear(weight, context, bias)
+            quant.check_shape(weights, f"layers.{index}.{name}", weight)
+            return quant.QuantizedLinear(weights, weight, bias)
+
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        self.qkv_proj = Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), context,
+        self.qkv_proj = linear("self_attn.qkv_proj", torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                                torch.cat(bias) if bias[0] is not None else None)
         self.q_norm = a.q_norm.weight if hasattr(a, "q_norm") else None  # qwen3
         self.k_norm = a.k_norm.weight if hasattr(a, "k_norm") else None
         self.eps = getattr(a.q_norm, "variance_epsilon", 1e-6) if self.q_norm is not None else 0.0
-        self.o_proj = Linear(a.o_proj.weight, context)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), context)
-        self.down = Linear(mlp.down_proj.weight, context)
+        self.o_proj = linear("self_attn.o_proj", a.o_proj.weight)
+        self.gate_up = linear("mlp.gate_up_proj", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down = linear("mlp.down_proj", mlp.down_proj.weight)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         tokens, kv = x.shape[0], self.kv_heads * self.head_dim

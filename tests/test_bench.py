@@ -181,7 +181,7 @@ def test_the_step_profile_times_a_decode_step_and_names_its_kernels(model_dir):
     result = subprocess.run([sys.executable, "-m", "bench.step_profile", "--rows", "2", "--columns", "16", "--profile"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^2 rows x 16 columns, torch\.\w+ \(.+\): [\d.]+ ms a step, [\d.]+ tok/s; weights read \d+ MB a step, "
+    assert re.search(r"^2 rows x 16 columns, torch\.\w+, weights auto \(.+\): [\d.]+ ms a step, [\d.]+ tok/s; weights read \d+ MB a step, "
                      r"bandwidth [\d.]+ GB/s: limit [\d.]+ ms \(\d+% of it\)$", result.stdout, re.M), result.stdout
     assert "Self CPU time total" in result.stdout
 
@@ -201,3 +201,20 @@ def test_serving_costs_count_a_servers_cpu_seconds():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_quality_table_compares_each_weights_setting_with_the_first(model_dir):
+    """docs/configuration.md's quality table comes from this command: bf16 against itself agrees on every
+    token; each setting's row names its bytes and a finite perplexity."""
+    result = subprocess.run([sys.executable, "-m", "bench.quality", "--settings", "bf16", "int8", "--tokens", "256",
+                             "--max-tokens", "8"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^\| (\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+)% \|$", result.stdout, re.M)
+    assert [r[0] for r in rows] == ["bf16", "int8"], result.stdout
+    assert rows[0][3:] == ("8.0", "100") and int(rows[1][1]) < int(rows[0][1]) and 1 < float(rows[1][2]) < 100
+
+
+def test_agreement_counts_tokens_before_the_first_difference():
+    from bench.quality import agreement
+
+    assert agreement([[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 9, 3]]) == (2.0, 0.5)

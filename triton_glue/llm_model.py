@@ -98,9 +98,10 @@ class TritonPythonModel:
             runner = engine.runner
             progress.close(f"ready: {COMPILATIONS.count} compilations, {len(runner.warmed)} step shapes run, "
                            f"{runner.cuda_graphs} captured as CUDA graphs")
-            metrics.loaded(runner.cuda_graphs)
+            metrics.loaded(runner.cuda_graphs, self.llm.weight_bytes)
             pb_utils.Logger.log_info(
-                f"llm: {config.model_dir} on {device} as {self.llm.dtype} ({self.llm.kernels}), {threads} threads, "
+                f"llm: {config.model_dir} on {device} as {self.llm.dtype} ({self.llm.kernels}), weights {config.weights}: "
+                f"{self.llm.weight_bytes / 2**20:.0f} MiB read a step, {threads} threads, "
                 f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
                 f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
                 f"{self.llm.kv_bytes_per_token} bytes = {config.kv_cache_tokens * self.llm.kv_bytes_per_token / 2**20:.0f} MiB, "

@@ -57,6 +57,8 @@ class TritonMetrics(Metrics):
             "so growth after ready means a request waited on the compiler", counter, labels,
         )
         self.cuda_graphs = _metric("llm_cuda_graphs", "Step shapes captured as CUDA graphs at load", gauge, labels)
+        self.weight_bytes = _metric("llm_weight_bytes", "Bytes of weights a decode step reads, as the weights setting "
+                                    "keeps them (the input embedding, read a row at a time, left out)", gauge, labels)
         self.ttft = _metric(
             "llm_time_to_first_token_seconds", "From arrival at llm to the first token", histogram, labels,
             buckets=TTFT_BUCKETS,
@@ -73,9 +75,10 @@ class TritonMetrics(Metrics):
         self._gauges: tuple[int, int, int, int] | None = None
         self._compiled = 0  # COMPILATIONS.count as last published
 
-    def loaded(self, cuda_graphs: int) -> None:
-        """The engine is built: what it compiled and captured at load."""
+    def loaded(self, cuda_graphs: int, weight_bytes: int) -> None:
+        """The engine is built: what it compiled and captured at load, and the weights it reads a step."""
         self.cuda_graphs.set(cuda_graphs)
+        self.weight_bytes.set(weight_bytes)
         self._publish_compilations()
 
     def _publish_compilations(self) -> None:

@@ -1,0 +1,106 @@
+"""Weight-only quantized linear layers: the ``weights`` setting's ``int8`` and ``int4``.
+
+Why: a decode step reads every weight once, so at a row or a few its time is the weights' bytes over the
+machine's read bandwidth. int8 takes half of bfloat16's bytes, int4 with its group scales about 0.3 of
+them. Only the weights are quantized; activations, sums and the KV cache stay in the model's dtype, and
+the embeddings and output layer keep it too (``model.Head`` picks float32's greedy token from them).
+
+- ``int8``: symmetric, one scale per output row: ``w ~ q x scale``, q in [-127, 127].
+- ``int4``: one scale and offset per ``GROUP`` input columns of each output row, ``w ~ (q - 8) x scale +
+  zero`` with q in [0, 15]: GGUF's Q4_1 layout (``w = d q + m``, so ``scale = d``, ``zero = m + 8 d``),
+  which is also what torch's int4 kernels take.
+
+The matmuls: int8 in bfloat16 on CPUs with AVX512-BF16 runs our kernel (``llm/kernels.cpp``'s
+``int8_linear``: the bf16 kernel's packed order, each slice of int8 weights widened exactly to bfloat16
+in L1 once for all the step's rows); torch's ``aten._weight_int8pack_mm`` elsewhere. int4 runs torch's
+``aten._weight_int4pack_mm_for_cpu``. Measured against our bf16 kernel on the default model's layers
+(2 cores, cold weights): torch's int8 kernel was no faster at one row (7.5 against 7.1 ms a step) and 2.6x
+slower at 16 rows, its int4 1.9x faster at one row and 1.7x slower at 16 (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm import kernels
+
+SETTINGS = ("auto", "bf16", "f32", "int8", "int4")
+QUANTIZED = ("int8", "int4")
+GROUP = 32  # int4's input columns per scale: Q4_0 and Q4_1's block
+
+
+def check(setting: str, device: torch.device) -> None:
+    """A setting this device runs, or a ValueError naming what would work (``LLMConfig`` checks the name)."""
+    if setting == "int4" and device.type != "cpu":
+        raise ValueError(f"parameter 'weights': int4 runs on CPUs here (torch's CUDA int4 kernel takes another "
+                         f"layout); on {device.type} use int8, bf16 or auto")
+
+
+def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] as int8 [N, K] and float32 scales [N], each row's largest magnitude at 127."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int4_weights(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] as q [N, K] (int32 in [0, 15]), scale and zero [N, K / group] (float32): each group's
+    minimum and maximum map to q = 0 and 15, as llama.cpp's Q4_1 quantizer does."""
+    n, k = w.shape
+    g = w.detach().float().view(n, k // group, group)
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale, low + 8 * scale
+
+
+def int4_dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 [N, K] weights ``int4_weights`` stands for (tests' reference)."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    return ((q.view(n, groups, k // groups).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
+
+
+def check_shape(setting: str, name: str, w: torch.Tensor) -> None:
+    """A layer ``setting`` can quantize, or a ValueError naming it, its width and what would work."""
+    if setting == "int4" and w.shape[1] % GROUP:
+        raise ValueError(f"parameter 'weights': int4 takes groups of {GROUP} input columns, and {name} has "
+                         f"{w.shape[1]}; use int8, bf16 or auto for this model")
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``x @ w.T (+ bias)`` from quantized weights, ``x`` in the model's dtype."""
+
+    def __init__(self, setting: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        dtype = weight.dtype
+        self.setting, self.out_features = setting, weight.shape[0]
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        # Our int8 kernel where the bf16 one runs (llm/model.py's ``_ours``): bfloat16 on a CPU that has it.
+        self.ours = setting == "int8" and weight.device.type == "cpu" and dtype == torch.bfloat16 and kernels.load() is None
+        if self.ours:
+            q, scale = int8_weights(weight)
+            self.q = torch.nn.Parameter(torch.ops.triton_chat_cpu.int8_pack(q), requires_grad=False)
+            self.scales = torch.nn.Parameter(scale, requires_grad=False)
+            if bias is not None:
+                self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        elif setting == "int8":
+            q, scale = int8_weights(weight)
+            self.q = torch.nn.Parameter(q, requires_grad=False)
+            self.scales = torch.nn.Parameter(scale.to(dtype), requires_grad=False)
+        else:
+            q, scale, zero = int4_weights(weight)
+            self.group = GROUP
+            self.q = torch.nn.Parameter(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
+            # [K / group, N, 2]: each group's scale and zero, as the kernel reads them.
+            self.scales = torch.nn.Parameter(torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype),
+                                             requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours:
+            return torch.ops.triton_chat_cpu.int8_linear(x, self.q, self.scales, self.out_features, self.bias)
+        if self.setting == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, self.group, self.scales)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,125 @@
+"""Weight-only quantized linear layers (``weights: int8`` and ``int4``, ``llm/quant.py``), in-process.
+
+Each quantizer is checked against its own definition, each quantized layer against ``F.linear`` over the
+weights it stands for, and a whole engine against Hugging Face ``generate`` on a model whose linear
+layers hold those same de-quantized weights: equal greedy tokens, so the kernels, the packing and the
+scales are all what they claim.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.static_llm import StaticGenerator
+from conftest import Letters
+from llm import LLM, LLMConfig, kernels, quant
+from llm.sequence import Sequence
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
+
+
+def weights(n: int = 96, k: int = 128) -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(n, k) * torch.linspace(0.01, 1.0, n)[:, None]  # rows of very different scales
+
+
+def test_int8_rows_round_to_the_nearest_step_of_their_own_scale():
+    w = weights()
+    q, scale = quant.int8_weights(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and scale.shape == (96,)
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_int4_groups_map_their_minimum_and_maximum_to_0_and_15():
+    w = weights()
+    q, scale, zero = quant.int4_weights(w)
+    assert q.min() == 0 and q.max() == 15 and scale.shape == zero.shape == (96, 128 // quant.GROUP)
+    groups = q.view(96, -1, quant.GROUP)
+    assert (groups.amin(-1) == 0).all() and (groups.amax(-1) == 15).all()
+    assert ((quant.int4_dequantize(q, scale, zero) - w).abs().view(96, -1, quant.GROUP) <= scale[..., None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("setting", quant.QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, dtype, rows):
+    w, bias = weights().to(dtype), torch.randn(96).to(dtype)
+    layer = quant.QuantizedLinear(setting, w, bias)
+    # int8 in bfloat16 runs our kernel where the CPU has AVX512-BF16: its in-register path (up to 4 rows)
+    # and its widened-slice path (more).
+    assert layer.ours == (setting == "int8" and dtype == torch.bfloat16 and kernels.load() is None)
+    if setting == "int8":
+        q, scale = quant.int8_weights(w)
+        reference = q.float() * scale.to(dtype).float()[:, None]
+    else:
+        q, scale, zero = quant.int4_weights(w)
+        reference = quant.int4_dequantize(q, scale.to(dtype).float(), zero.to(dtype).float())
+    x = torch.randn(rows, 128).to(dtype)
+    expected = F.linear(x.float(), reference, bias.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max().item(), rtol=0)
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def dequantized(model: LlamaForCausalLM, setting: str) -> LlamaForCausalLM:
+    """``model`` with every linear layer of its decoder layers replaced by the weights ``setting`` keeps."""
+    model = copy.deepcopy(model)
+    for layer in model.model.layers:
+        for linear in [*(getattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                       *(getattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))]:
+            w = linear.weight.data
+            if setting == "int8":
+                q, scale = quant.int8_weights(w)
+                linear.weight.data = q.float() * scale[:, None]
+            else:
+                linear.weight.data = quant.int4_dequantize(*quant.int4_weights(w))
+    return model
+
+
+@pytest.mark.parametrize("setting", quant.QUANTIZED)
+def test_an_engine_on_quantized_weights_decodes_what_hugging_face_does_on_the_weights_they_stand_for(setting):
+    """q, k and v are quantized together (one packed matrix): int8's row scales and int4's groups are per
+    output row, so that equals quantizing each apart, which is what the reference does."""
+    model = tiny_model()
+    llm = LLM(LLMConfig("unused", weights=setting, compile=False, kv_cache_tokens=208, default_max_tokens=4,
+                        max_tokens_limit=16), torch.device("cpu"), model, Letters())
+    requests = [llm.validate(ids, 12) for ids in PROMPTS]
+    engine = llm.engine()
+    seqs = [Sequence(r) for r in requests]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work:
+        engine.step()
+    reference = StaticGenerator(dequantized(model, setting), llm)
+    assert [s.output_ids for s in seqs] == [reference.generate([r])[0] for r in requests]
+    plain = LLM(LLMConfig("unused", compile=False, kv_cache_tokens=208), torch.device("cpu"), model, Letters())
+    assert llm.weight_bytes < plain.weight_bytes
+
+
+def test_weights_settings_that_cannot_run_name_the_setting_and_what_would():
+    with pytest.raises(ValueError, match=r"parameter 'weights' must be one of auto, bf16, f32, int8, int4, got 'int3'"):
+        LLMConfig("unused", weights="int3")
+    with pytest.raises(ValueError, match=r"parameter 'weights' is bf16, which runs the model in bfloat16, but parameter "
+                                         r"'dtype' is float32: set dtype to auto or bfloat16"):
+        LLMConfig("unused", weights="bf16", dtype="float32")
+    with pytest.raises(ValueError, match=r"int4 runs on CPUs here .* on cuda use int8, bf16 or auto"):
+        quant.check("int4", torch.device("cuda"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    with pytest.raises(ValueError, match=r"int4 takes groups of 32 input columns, and layers\.0\.self_attn\.qkv_proj has 48; "
+                                         r"use int8, bf16 or auto for this model"):
+        LLM(LLMConfig("unused", weights="int4", compile=False, kv_cache_tokens=64), torch.device("cpu"), model, Letters())
