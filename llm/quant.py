@@ -11,8 +11,8 @@ the embeddings and output layer keep it too (``model.Head`` picks float32's gree
   which is also what torch's int4 kernels take.
 
 The matmuls: int8 in bfloat16 on CPUs with AVX512-BF16 runs our kernel (``llm/kernels.cpp``'s
-``int8_linear``: the bf16 kernel's packed order, each slice of int8 weights widened exactly to bfloat16
-in L1 once for all the step's rows); torch's ``aten._weight_int8pack_mm`` elsewhere. int4 runs torch's
+``int8_linear``: the bf16 kernel's packed order, the int8 weights widened exactly to bfloat16 in
+registers for up to 4 rows, into L1 once for more); torch's ``aten._weight_int8pack_mm`` elsewhere. int4 runs torch's
 ``aten._weight_int4pack_mm_for_cpu``. Measured against our bf16 kernel on the default model's layers
 (2 cores, cold weights): torch's int8 kernel was no faster at one row (7.5 against 7.1 ms a step) and 2.6x
 slower at 16 rows, its int4 1.9x faster at one row and 1.7x slower at 16 (docs/configuration.md).
@@ -30,10 +30,11 @@ GROUP = 32  # int4's input columns per scale: Q4_0 and Q4_1's block
 
 
 def check(setting: str, device: torch.device) -> None:
-    """A setting this device runs, or a ValueError naming what would work (``LLMConfig`` checks the name)."""
-    if setting == "int4" and device.type != "cpu":
-        raise ValueError(f"parameter 'weights': int4 runs on CPUs here (torch's CUDA int4 kernel takes another "
-                         f"layout); on {device.type} use int8, bf16 or auto")
+    """A setting this device runs, or a ValueError naming what would work (``LLMConfig`` checks the name).
+    The quantized settings run on CPUs: on GPUs their kernels have not run here yet, and nothing is served
+    in a precision that has not been checked."""
+    if setting in QUANTIZED and device.type != "cpu":
+        raise ValueError(f"parameter 'weights': {setting} runs on CPUs only so far; on {device.type} use bf16 or auto")
 
 
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

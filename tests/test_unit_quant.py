@@ -115,8 +115,9 @@ def test_weights_settings_that_cannot_run_name_the_setting_and_what_would():
     with pytest.raises(ValueError, match=r"parameter 'weights' is bf16, which runs the model in bfloat16, but parameter "
                                          r"'dtype' is float32: set dtype to auto or bfloat16"):
         LLMConfig("unused", weights="bf16", dtype="float32")
-    with pytest.raises(ValueError, match=r"int4 runs on CPUs here .* on cuda use int8, bf16 or auto"):
-        quant.check("int4", torch.device("cuda"))
+    for setting in quant.QUANTIZED:
+        with pytest.raises(ValueError, match=rf"parameter 'weights': {setting} runs on CPUs only so far; on cuda use bf16 or auto"):
+            quant.check(setting, torch.device("cuda"))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
