@@ -32,16 +32,26 @@ constexpr int64_t kGroup = 64;   // output rows a group packs: four vectors of s
 constexpr int64_t kSlice = 128;  // column pairs per slice: 64 rows x 256 columns x 2 bytes = 32 KiB, L1's size
 constexpr int64_t kRowsPerPass = 4;
 
+// 32 int8 weights (16 rows x a pair of columns, packed order) as bfloat16, exactly: |q| <= 127 fits its 8 bits.
+inline __m512bh widen_int8(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// 32 weights (16 rows x a pair of columns, packed order) as bfloat16: where they lie, or widened from int8
+// in registers as they are read (for a few rows of x, cheaper than widening into L1 and reading back).
+inline __m512bh weights32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh weights32(const int8_t* p) { return widen_int8(p); }
+
 // acc[m][j] (+)= x[m, 2 p0 : 2 p1] . a group's slice of packed weights (``wp``: its pair p0), for MR rows of x.
-template <int MR>
-inline void slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* wp, int64_t p0, int64_t p1, float* out,
-                  bool first) {
+template <int MR, typename W>
+inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64_t p1, float* out, bool first) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * kGroup + 16 * j);
   for (int64_t p = p0; p < p1; ++p, wp += kGroup * 2) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    const __m512bh w0 = weights32(wp), w1 = weights32(wp + 32), w2 = weights32(wp + 64), w3 = weights32(wp + 96);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
@@ -75,35 +85,6 @@ at::Tensor bf16_pack(const at::Tensor& w) {
 at::Tensor int8_pack(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8_pack: an int8 matrix [N, K]");
   return pack<int8_t>(q);
-}
-
-// 32 int8 weights (16 rows x a pair of columns, packed order) as bfloat16, exactly: |q| <= 127 fits its 8 bits.
-inline __m512bh widen_int8(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-// slice() over int8 weights, widened in registers as they are read (a few rows of x: widening into L1 and
-// reading back would cost more than the dot products).
-template <int MR>
-inline void slice_int8(const uint32_t* x, int64_t ldx, const int8_t* wp, int64_t p0, int64_t p1, float* out,
-                       bool first) {
-  __m512 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * kGroup + 16 * j);
-  for (int64_t p = p0; p < p1; ++p, wp += kGroup * 2) {
-    const __m512bh w0 = widen_int8(wp), w1 = widen_int8(wp + 32), w2 = widen_int8(wp + 64), w3 = widen_int8(wp + 96);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xv, w3);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
 }
 
 template <typename Out>
@@ -177,7 +158,7 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
           rows(M - m, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
             if constexpr (int8) {
-              if (!wb) return slice_int8<MR>(xm, pairs, wp, p0, p1, om, p0 == 0);
+              if (!wb) return slice<MR>(xm, pairs, wp, p0, p1, om, p0 == 0);
             }
             slice<MR>(xm, pairs, wb, p0, p1, om, p0 == 0);
           });

@@ -19,6 +19,7 @@ from bench.static_llm import StaticGenerator
 from conftest import Letters
 from llm import LLM, LLMConfig, kernels, quant
 from llm.sequence import Sequence
+from test_unit_engine import run
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
 
@@ -97,12 +98,7 @@ def test_an_engine_on_quantized_weights_decodes_what_hugging_face_does_on_the_we
     llm = LLM(LLMConfig("unused", weights=setting, compile=False, kv_cache_tokens=208, default_max_tokens=4,
                         max_tokens_limit=16), torch.device("cpu"), model, Letters())
     requests = [llm.validate(ids, 12) for ids in PROMPTS]
-    engine = llm.engine()
-    seqs = [Sequence(r) for r in requests]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work:
-        engine.step()
+    seqs = run(llm.engine(), [Sequence(r) for r in requests])
     reference = StaticGenerator(dequantized(model, setting), llm)
     assert [s.output_ids for s in seqs] == [reference.generate([r])[0] for r in requests]
     plain = LLM(LLMConfig("unused", compile=False, kv_cache_tokens=208), torch.device("cpu"), model, Letters())
