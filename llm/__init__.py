@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from contract.paths import allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
-from llm import kernels, quant
+from llm import gguf_weights, kernels, quant
 from llm.engine import Engine
 from llm.grammar import Grammars
 from llm.kv import BLOCK_SIZE, BlockHasher, BlockTable, cache_slots
@@ -94,12 +94,23 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
     return torch.bfloat16 if native else torch.float32
 
 
-def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
-    """The Hugging Face model of ``config.model_dir`` in the resolved dtype, on ``device``."""
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def load_model(config: LLMConfig, device: torch.device) -> tuple[PreTrainedModel, gguf_weights.GGUFWeights | None]:
+    """The model of ``config.model_dir`` in the resolved dtype, on ``device``, and the GGUF file its linear
+    weights are still to be read from, if any (``llm/gguf_weights.py``). The folder's ``model.gguf`` is read
+    where its weights are 4-bit and the setting is int4 (the blocks as they are), or where the folder has
+    no Hugging Face weights."""
+    folder = allowed_folder("model_dir", config.model_dir)
+    dtype = resolve_dtype(config.dtype, device, config.weights)
+    file = folder / gguf_weights.GGUF_NAME
+    if file.exists():  # a link the launcher wrote, read as the folder's other files are (symlinks, as in HF's cache)
+        if gguf_weights.own_setting(file) == "int4" == config.weights or not any((folder / n).is_file() for n in HF_WEIGHTS):
+            return gguf_weights.load(folder, file, dtype, device)
     return AutoModelForCausalLM.from_pretrained(
-        allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device, config.weights),
-        local_files_only=True, trust_remote_code=False,
-    ).to(device).eval()
+        folder, dtype=dtype, local_files_only=True, trust_remote_code=False,
+    ).to(device).eval(), None
 
 
 def configure_threads(instance_count: int, device: torch.device) -> int:
@@ -121,7 +132,11 @@ class LLM:
         The engine keeps only its own copy of the weights (``Decoder``), not the Hugging Face modules."""
         self.config = config
         self.device = device
-        hf = (model or load_model(config, device)).to(device).eval()
+        hf, stored = (model.to(device).eval(), None) if model is not None else load_model(config, device)
+        # The setting served: ``auto`` on a GGUF file is the file's own where its kernels run (CPUs).
+        own = stored.own_setting() if stored is not None and config.weights == "auto" and device.type == "cpu" else "auto"
+        self.weights = own if config.weights == "auto" else config.weights
+        self.source = f"{gguf_weights.GGUF_NAME} ({stored.types()})" if stored is not None else "Hugging Face weights"
         # The model's own vocabulary turns ids into text for stop strings (postprocess checks that its
         # tokenizer shares it).
         self.tokenizer = tokenizer or load_tokenizer(config.model_dir, "model_dir")
@@ -135,8 +150,9 @@ class LLM:
         self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
         pad = hf.generation_config.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
-        quant.check(config.weights, device)
-        self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens, config.weights)
+        quant.check(self.weights, device)
+        self.decoder = Decoder(hf, cache_slots(config.kv_cache_tokens), self.context_tokens, self.weights,
+                               stored and (lambda name: stored.get(name, self.weights, self.dtype)))
         self.weight_bytes = self.decoder.weight_bytes()
         self.kv_bytes_per_token = self.decoder.kv_bytes_per_token
         # What runs the linear layers and attention, for the load log (llm/kernels.py and gpu_attention.py say why).
@@ -144,9 +160,9 @@ class LLM:
         self.kernels = (f"torch, attention {'in place (llm/gpu_attention.py)' if gpu is None else f'gathered: {gpu}'}"
                         if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
                         f"oneDNN ({kernels.load() or 'our kernels take bfloat16 only'})")
-        if config.weights in quant.QUANTIZED:
+        if self.weights in quant.QUANTIZED:
             ours = self.decoder.layers[0].down.ours
-            self.kernels = (f"{config.weights} linear layers on {'our CPU kernel' if ours else 'torch weight-only kernels'}, "
+            self.kernels = (f"{self.weights} linear layers on {'our CPU kernel' if ours else 'torch weight-only kernels'}, "
                             f"the rest on {self.kernels}")
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
@@ -174,7 +190,7 @@ class LLM:
         self.grammars.prepare()
         # The model's folder, dtype and vocabulary lead every block's hash chain: one engine serves one
         # model, and a key written for another is never taken for its own.
-        hasher = BlockHasher(f"{c.model_dir}\0{self.dtype}\0{c.weights}\0{self.fingerprint}") if c.prefix_caching else None
+        hasher = BlockHasher(f"{c.model_dir}\0{self.dtype}\0{self.weights}\0{self.fingerprint}") if c.prefix_caching else None
         return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars, hasher)
 
     def decode(self, ids: list[int]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -265,9 +266,11 @@ class Decoder(torch.nn.Module):
     """The weights of a loaded Hugging Face model, regrouped for one GEMM per projection group, plus the
     KV cache: ``slots`` token slots per layer, allocated once."""
 
-    def __init__(self, hf: PreTrainedModel, slots: int, positions: int, weights: str = "auto") -> None:
+    def __init__(self, hf: PreTrainedModel, slots: int, positions: int, weights: str = "auto",
+                 stored: Callable[[str], torch.Tensor | quant.Int4] | None = None) -> None:
         """``weights``: the linear layers' storage (``llm/quant.py`` for ``int8`` and ``int4``; any other
-        setting keeps the model's dtype)."""
+        setting keeps the model's dtype). ``stored`` gives, by parameter name, the linear weights ``hf``
+        holds as ``None`` (a GGUF file's, ``llm/gguf_weights.py``: int4 blocks as they are)."""
         super().__init__()
         c = hf.config
         if c.model_type not in SUPPORTED or getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
@@ -282,7 +285,7 @@ class Decoder(torch.nn.Module):
         body = hf.model
         self.context = Context()
         self.embed = body.embed_tokens.weight
-        self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context, weights, i)
+        self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context, weights, i, dtype, stored)
                                           for i, layer in enumerate(body.layers))
         self.norm = body.norm.weight
         self.lm_head = Head(hf.lm_head.weight, self.context)
@@ -369,28 +372,37 @@ class Decoder(torch.nn.Module):
 
 class _Layer(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module, kv_heads: int, head_dim: int, context: Context, weights: str,
-                 index: int) -> None:
+                 index: int, dtype: torch.dtype, stored: Callable[[str], torch.Tensor | quant.Int4] | None) -> None:
         super().__init__()
         a, mlp = layer.self_attn, layer.mlp
 
-        def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Module:
+        def weight(name: str) -> torch.Tensor | quant.Int4:
+            held = layer.get_submodule(name).weight
+            return held if held is not None else stored(f"model.layers.{index}.{name}.weight")
+
+        def linear(name: str, parts: list[str], bias: torch.Tensor | None = None) -> torch.nn.Module:
+            """One layer for the weights ``parts`` stacked by output rows."""
+            found = [weight(part) for part in parts]
+            if weights == "int4" and all(isinstance(w, quant.Int4) for w in found):
+                return quant.QuantizedLinear(weights, quant.Int4.cat(found), bias, dtype)
+            w = torch.cat([w.dequantize().to(dtype) if isinstance(w, quant.Int4) else w for w in found])
             if weights not in quant.QUANTIZED:
-                return Linear(weight, context, bias)
-            quant.check_shape(weights, f"layers.{index}.{name}", weight)
-            return quant.QuantizedLinear(weights, weight, bias)
+                return Linear(w, context, bias)
+            quant.check_shape(weights, f"layers.{index}.{name}", w)
+            return quant.QuantizedLinear(weights, w, bias, dtype)
 
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
         bias = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        self.qkv_proj = linear("self_attn.qkv_proj", torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+        self.qkv_proj = linear("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                                torch.cat(bias) if bias[0] is not None else None)
         self.q_norm = a.q_norm.weight if hasattr(a, "q_norm") else None  # qwen3
         self.k_norm = a.k_norm.weight if hasattr(a, "k_norm") else None
         self.eps = getattr(a.q_norm, "variance_epsilon", 1e-6) if self.q_norm is not None else 0.0
-        self.o_proj = linear("self_attn.o_proj", a.o_proj.weight)
-        self.gate_up = linear("mlp.gate_up_proj", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        self.down = linear("mlp.down_proj", mlp.down_proj.weight)
+        self.o_proj = linear("self_attn.o_proj", ["self_attn.o_proj"])
+        self.gate_up = linear("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"])
+        self.down = linear("mlp.down_proj", ["mlp.down_proj"])
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         tokens, kv = x.shape[0], self.kv_heads * self.head_dim

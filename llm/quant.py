@@ -20,6 +20,8 @@ slower at 16 rows, its int4 1.9x faster at one row and 1.7x slower at 16 (docs/c
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from llm import kernels
@@ -44,22 +46,37 @@ def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def int4_weights(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``w`` [N, K] as q [N, K] (int32 in [0, 15]), scale and zero [N, K / group] (float32): each group's
-    minimum and maximum map to q = 0 and 15, as llama.cpp's Q4_1 quantizer does."""
+class Int4(NamedTuple):
+    """Group-wise 4-bit weights [N, K]: q (int32 in [0, 15]) [N, K], scale and zero [N, K / group] (float32),
+    ``w = (q - 8) x scale + zero``. Made by ``int4_weights``, or read as they are from a GGUF file's 4-bit
+    blocks (``llm/gguf_weights.py``)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [N, K] weights these stand for."""
+        n, k = self.q.shape
+        groups = self.scale.shape[1]
+        return ((self.q.view(n, groups, k // groups).float() - 8) * self.scale[..., None]
+                + self.zero[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: "list[Int4]") -> "Int4":
+        """Stacked by output rows, as ``torch.cat`` stacks weights (the q, k and v projections as one)."""
+        return Int4(*(torch.cat(column) for column in zip(*parts)))
+
+
+def int4_weights(w: torch.Tensor, group: int = GROUP) -> Int4:
+    """``w`` [N, K] in groups of ``group`` input columns: each group's minimum and maximum map to q = 0 and
+    15, as llama.cpp's Q4_1 quantizer does."""
     n, k = w.shape
     g = w.detach().float().view(n, k // group, group)
     low, high = g.amin(-1), g.amax(-1)
     scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-    return q, scale, low + 8 * scale
-
-
-def int4_dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The float32 [N, K] weights ``int4_weights`` stands for (tests' reference)."""
-    n, k = q.shape
-    groups = scale.shape[1]
-    return ((q.view(n, groups, k // groups).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
+    return Int4(q, scale, low + 8 * scale)
 
 
 def check_shape(setting: str, name: str, w: torch.Tensor) -> None:
@@ -72,9 +89,14 @@ def check_shape(setting: str, name: str, w: torch.Tensor) -> None:
 class QuantizedLinear(torch.nn.Module):
     """``x @ w.T (+ bias)`` from quantized weights, ``x`` in the model's dtype."""
 
-    def __init__(self, setting: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, setting: str, weight: torch.Tensor | Int4, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """``weight``: the layer's weights in ``dtype``, quantized here, or int4 ones already (a GGUF's)."""
         super().__init__()
-        dtype = weight.dtype
+        if isinstance(weight, Int4):
+            assert setting == "int4", setting
+            ready, weight = weight, weight.q
+        else:
+            ready = None
         self.setting, self.out_features = setting, weight.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         # Our int8 kernel where the bf16 one runs (llm/model.py's ``_ours``): bfloat16 on a CPU that has it.
@@ -90,10 +112,11 @@ class QuantizedLinear(torch.nn.Module):
             self.q = torch.nn.Parameter(q, requires_grad=False)
             self.scales = torch.nn.Parameter(scale.to(dtype), requires_grad=False)
         else:
-            q, scale, zero = int4_weights(weight)
+            q, scale, zero = ready or int4_weights(weight)
             self.group = GROUP
             self.q = torch.nn.Parameter(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), requires_grad=False)
-            # [K / group, N, 2]: each group's scale and zero, as the kernel reads them.
+            # [K / group, N, 2]: each group's scale and zero, as the kernel reads them: in ``dtype``, which
+            # is all it takes (a GGUF's float16 scales lose 3 bits of their 11 in bfloat16).
             self.scales = torch.nn.Parameter(torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype),
                                              requires_grad=False)
 

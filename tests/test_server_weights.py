@@ -11,16 +11,22 @@ import pytest
 import requests
 
 from conftest import metric_value, running_frontend, running_server
+from launcher.model import gguf_path, model_folder
 from launcher.triton import TritonServer
 from llm import kernels
 from test_server_tools import DEFS_TOOLS, TRIP_ASK, Trip
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "gguf"])
 def quantized(request, model_dir, tmp_path_factory) -> tuple[str, TritonServer]:
-    """The shipped repository with ``WEIGHTS`` set, one server per setting."""
-    for server in running_server(model_dir, tmp_path_factory, WEIGHTS=request.param):
-        yield request.param, server
+    """The shipped repository with ``WEIGHTS`` set, one server per setting; ``gguf``: ``MODEL_DIR`` naming
+    the shipped Q4_1 file (the launcher prepares its folder) and ``WEIGHTS`` unset, so the file's own int4."""
+    if request.param == "gguf":
+        servers = running_server(model_folder(gguf_path()), tmp_path_factory)
+    else:
+        servers = running_server(model_dir, tmp_path_factory, WEIGHTS=request.param)
+    for server in servers:
+        yield ("int4" if request.param == "gguf" else request.param), server
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,9 @@ def test_the_load_names_the_setting_and_the_bytes_a_step_reads(quantized, server
     mib = metric_value(triton, 'llm_weight_bytes') / 2**20
     ours = setting == "int8" and kernels.load() is None  # int8 in bfloat16 on a CPU with AVX512-BF16
     assert f"{setting} linear layers on {'our CPU kernel' if ours else 'torch weight-only kernels'}" in log
-    assert f"weights {setting}: {mib:.0f} MiB read a step" in log
+    # int4 reads the shipped Q4_1 blocks as they are, from the default folder's linked GGUF or the file's own
+    source = "model.gguf (Q4_1 x 210)" if setting == "int4" else "Hugging Face weights"
+    assert f"weights {setting} from {source}: {mib:.0f} MiB read a step" in log
     # The float32 server reads 4 bytes a weight; int8 about 1 (plus the 16-bit output layer), int4 less.
     assert mib < metric_value(server, 'llm_weight_bytes') / 2**20 * {"int8": 0.45, "int4": 0.35}[setting]
 

@@ -42,7 +42,7 @@ def test_int4_groups_map_their_minimum_and_maximum_to_0_and_15():
     assert q.min() == 0 and q.max() == 15 and scale.shape == zero.shape == (96, 128 // quant.GROUP)
     groups = q.view(96, -1, quant.GROUP)
     assert (groups.amin(-1) == 0).all() and (groups.amax(-1) == 15).all()
-    assert ((quant.int4_dequantize(q, scale, zero) - w).abs().view(96, -1, quant.GROUP) <= scale[..., None] / 2 + 1e-6).all()
+    assert ((quant.Int4(q, scale, zero).dequantize() - w).abs().view(96, -1, quant.GROUP) <= scale[..., None] / 2 + 1e-6).all()
 
 
 @pytest.mark.parametrize("setting", quant.QUANTIZED)
@@ -50,7 +50,7 @@ def test_int4_groups_map_their_minimum_and_maximum_to_0_and_15():
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, dtype, rows):
     w, bias = weights().to(dtype), torch.randn(96).to(dtype)
-    layer = quant.QuantizedLinear(setting, w, bias)
+    layer = quant.QuantizedLinear(setting, w, bias, dtype)
     # int8 in bfloat16 runs our kernel where the CPU has AVX512-BF16: its in-register path (up to 4 rows)
     # and its widened-slice path (more).
     assert layer.ours == (setting == "int8" and dtype == torch.bfloat16 and kernels.load() is None)
@@ -59,7 +59,7 @@ def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, d
         reference = q.float() * scale.to(dtype).float()[:, None]
     else:
         q, scale, zero = quant.int4_weights(w)
-        reference = quant.int4_dequantize(q, scale.to(dtype).float(), zero.to(dtype).float())
+        reference = quant.Int4(q, scale.to(dtype).float(), zero.to(dtype).float()).dequantize()
     x = torch.randn(rows, 128).to(dtype)
     expected = F.linear(x.float(), reference, bias.float())
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
@@ -86,7 +86,7 @@ def dequantized(model: LlamaForCausalLM, setting: str) -> LlamaForCausalLM:
                 q, scale = quant.int8_weights(w)
                 linear.weight.data = q.float() * scale[:, None]
             else:
-                linear.weight.data = quant.int4_dequantize(*quant.int4_weights(w))
+                linear.weight.data = quant.int4_weights(w).dequantize()
     return model
 
 

@@ -100,7 +100,7 @@ class TritonPythonModel:
                            f"{runner.cuda_graphs} captured as CUDA graphs")
             metrics.loaded(runner.cuda_graphs, self.llm.weight_bytes)
             pb_utils.Logger.log_info(
-                f"llm: {config.model_dir} on {device} as {self.llm.dtype} ({self.llm.kernels}), weights {config.weights}: "
+                f"llm: {config.model_dir} on {device} as {self.llm.dtype} ({self.llm.kernels}), weights {self.llm.weights} from {self.llm.source}: "
                 f"{self.llm.weight_bytes / 2**20:.0f} MiB read a step, {threads} threads, "
                 f"{'compiled' if config.compile else 'eager'}, vocabulary {self.llm.vocab_size}, "
                 f"context {self.llm.context_tokens} tokens, KV budget {config.kv_cache_tokens} tokens x "
