@@ -11,6 +11,8 @@ Systems, all on the same weights and the same seeded prompts:
   in full mode vLLM's ``guidellm`` driving that endpoint too (``bench/guidellm.py``);
 - ``llama_server_bf16`` and ``llama_server_f32``: llama.cpp's server (full mode), and ``vllm``, vLLM's CPU
   build, where it runs here (``bench/peers.py``);
+- quantized weights (full mode, ``bench/quantized.py``): ``ensemble_http_int8`` and ``ensemble_http_int4``
+  against ``llama_server_q8_0`` and ``llama_server_q4_1``, each with the roofline of the bytes it reads;
 - the roofline: this machine's measured limit in each system's dtype;
 - the multi-turn ``chat`` workload (``bench/chat.py``): our OpenAI endpoint with prefix caching on and off,
   and in full mode llama-server (ours's dtype) and vLLM, each with its prompt or prefix cache on.
@@ -72,6 +74,8 @@ class Plan:
     def requests(self, concurrency: int) -> int:
         return max(8, self.rounds * concurrency)
 
+
+QUANTIZED_CONCURRENCY = (1, 16, 64)  # bench/quantized.py's points in full mode: int8 and int4 against llama.cpp's
 
 QUICK = Plan((1, 4), (1, 4), (1, 4), (4,), (4,), (4,), 3, 16, False, 16, (4, 32), perf_analyzer=False, peers=False,
              third_party=False, rounds=1)
@@ -402,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         points += found
         peer_notes += notes
         chats += peer_chats
+        from bench import quantized  # it builds on this module's sweeps
+
+        found, quantized_limits, notes = quantized.run(sets, ids, model_dir, QUANTIZED_CONCURRENCY, limits[dtype], out,
+                                                       config_name)
+        points += found
+        peer_notes += notes
+        limits |= quantized_limits
 
     points = report.with_ratios(points, limits, contexts)
     results = {
@@ -416,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "openai": report.openai_rows(points),
         "chat": chats,
         "chat_targets": report.chat_targets(chats),
+        "quantized": report.quantized_rows(points, limits, contexts),
         "peers": peer_notes,
         "ensemble_overhead": overhead,
         "grammar_build_ms": grammar_build,

@@ -60,7 +60,8 @@ def build_llama_cpp(logs: Path) -> Path:
 
 
 def llama_gguf(bin_dir: Path, dtype: str, logs: Path) -> Path:
-    """The default model's Q4_1 GGUF re-quantized losslessly to ``dtype`` (``F32`` or ``BF16``)."""
+    """The default model's Q4_1 GGUF re-quantized to ``dtype``: losslessly to ``F32`` or ``BF16``, or to
+    another type llama-quantize makes (``Q8_0``)."""
     target = LLAMA_CPP / f"SmolLM2-135M-Instruct.{dtype}.gguf"
     if not target.exists():
         partial = target.with_suffix(".partial")
@@ -93,7 +94,8 @@ class OpenAIServer:
                 self.process.wait()
 
 
-# GGUF's names for the dtypes we run, and torch's (the names every point and roofline carries).
+# GGUF's names for the dtypes we run, and torch's (the names every point and roofline carries); a
+# quantized type keeps its own name (Q8_0, Q4_1: bench/quantized.py gives each a roofline).
 GGUF_DTYPES = {"BF16": "bfloat16", "F32": "float32"}
 
 
@@ -105,7 +107,7 @@ def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_
            "-t", len(os.sched_getaffinity(0)), "-np", slots, "-c", slots * context_per_slot, "-cb", "--no-webui"]
     out = open(logs / f"llama-server-{dtype}.log", "ab")  # one server per concurrency: their logs one after another
     process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
-    return OpenAIServer(f"llama_server_{dtype.lower()}", GGUF_DTYPES[dtype], f"http://127.0.0.1:{port}", process, gguf.name)
+    return OpenAIServer(f"llama_server_{dtype.lower()}", GGUF_DTYPES.get(dtype, dtype), f"http://127.0.0.1:{port}", process, gguf.name)
 
 
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")

@@ -14,8 +14,11 @@ from bench.roofline import Roofline  # noqa: E402
 
 OURS = "ensemble_http"
 ORDER = ("in_process", "static", "ensemble_http", "ensemble_grpc", "openai_http", "guidellm_openai", "llama_server_bf16",
-         "llama_server_f32", "vllm")
+         "llama_server_f32", "vllm", "ensemble_http_int8", "llama_server_q8_0", "ensemble_http_int4", "llama_server_q4_1")
 PEERS = ("llama_server_bf16", "llama_server_f32")  # "the best of its F32/BF16 runs"
+QUANTIZED_PAIRS = (("int8", "Q8_0"), ("int4", "Q4_1"))  # our setting, llama.cpp's type of the same bits
+# bench/quantized.py's systems: each against its own pair, not PEERS.
+COUNTERPART = {f"ensemble_http_{setting}": f"llama_server_{kind.lower()}" for setting, kind in QUANTIZED_PAIRS}
 # p50 time to first token of ensemble_http at concurrency 16 before this engine (2026-12-02 run, the
 # previous docs/benchmark/results.json): the scaling goal keeps it from getting worse.
 PREVIOUS_TTFT_MS = {"fixed": 1414.0, "variable": 597.0}
@@ -32,7 +35,8 @@ def with_ratios(points: list[dict], rooflines: dict[str, Roofline], contexts: di
         for base in ("in_process", "static"):
             other = index.get((base, *key))
             p[f"vs_{base}"] = p["tokens_per_s"] / other["tokens_per_s"] if other else None
-        peer = max((index[(s, *key)] for s in PEERS if (s, *key) in index), key=lambda q: q["tokens_per_s"], default=None)
+        against = (COUNTERPART[p["system"]],) if p["system"] in COUNTERPART else PEERS
+        peer = max((index[(s, *key)] for s in against if (s, *key) in index), key=lambda q: q["tokens_per_s"], default=None)
         p["vs_llama_server"] = p["tokens_per_s"] / peer["tokens_per_s"] if peer else None
         static = index.get(("static", *key))
         p["ttft_vs_static"] = p["ttft_p50_ms"] / static["ttft_p50_ms"] if static else None
@@ -116,6 +120,42 @@ def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
+def quantized_rows(points: list[dict], limits: dict[str, Roofline], contexts: dict[str, float]) -> list[dict]:
+    """One row per pair and concurrency: both systems' tok/s, their ratio, bytes a step and rooflines."""
+    found = {(p["dtype"], p["concurrency"]): p for p in points if p["workload"] == "fixed" and p["dtype"] in limits}
+    table = []
+    for setting, kind in QUANTIZED_PAIRS:
+        for c in sorted({c for d, c in found if d == setting}):
+            ours, theirs = found.get((setting, c)), found.get((kind, c))
+            row = {"setting": setting, "peer": kind, "concurrency": c}
+            for who, name, p in (("ours", setting, ours), ("peer", kind, theirs)):
+                bound = limits[name].tokens_per_s(c, contexts["fixed"])
+                row |= {f"{who}_weight_mib": limits[name].weight_bytes / 2**20,
+                        f"{who}_tokens_per_s": p["tokens_per_s"] if p else None,
+                        f"{who}_roofline_fraction": p["tokens_per_s"] / bound if p else None}
+            row["ratio"] = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
+            row["goal"] = 1.0 if c == 1 else 1.5
+            table.append(row)
+    return table
+
+
+def quantized_markdown(table: list[dict]) -> list[str]:
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    lines = ["Quantized weights (fixed workload, `generate_stream` against llama-server on the same bits; "
+             "% of each one's roofline for the bytes it reads a step):", "",
+             "| ours | llama.cpp | concurrency | ours tok/s | llama-server tok/s | ours / llama-server | goal | "
+             "MiB read a step (ours / llama.cpp) | % roofline (ours / llama.cpp) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        met = r["ratio"] is not None and r["ratio"] >= r["goal"]
+        lines.append(
+            f"| {r['setting']} | {r['peer']} | {r['concurrency']} | {num(r['ours_tokens_per_s'], '.1f')} | "
+            f"{num(r['peer_tokens_per_s'], '.1f')} | {num(r['ratio'], '.2f')}x | {r['goal']:.1f}x ({'met' if met else '**missed**'}) | "
+            f"{r['ours_weight_mib']:.0f} / {r['peer_weight_mib']:.0f} | "
+            f"{num(r['ours_roofline_fraction'] and 100 * r['ours_roofline_fraction'], '.1f')} / "
+            f"{num(r['peer_roofline_fraction'] and 100 * r['peer_roofline_fraction'], '.1f')} |")
+    return lines + [""]
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
@@ -146,6 +186,8 @@ def markdown(results: dict) -> str:
                 f"{p['client_cpu_pct']:.1f} |"
             )
         lines.append("")
+    if results.get("quantized"):
+        lines += quantized_markdown(results["quantized"])
     if results.get("targets"):
         lines += [f"Goals (`{OURS}`):", "", "| goal | measured | required | met |", "|---|---|---|---|"]
         lines += [f"| {t['target']} | {_ratio(t['ratio'])}{' (' + t['detail'] + ')' if t.get('detail') else ''} | "

@@ -97,20 +97,26 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def load_model(config: LLMConfig, device: torch.device) -> tuple[PreTrainedModel, gguf_weights.GGUFWeights | None]:
-    """The model of ``config.model_dir`` in the resolved dtype, on ``device``, and the GGUF file its linear
-    weights are still to be read from, if any (``llm/gguf_weights.py``). The folder's ``model.gguf`` is read
-    where its weights are 4-bit and the setting is int4 (the blocks as they are), or where the folder has
-    no Hugging Face weights."""
-    folder = allowed_folder("model_dir", config.model_dir)
-    dtype = resolve_dtype(config.dtype, device, config.weights)
-    file = folder / gguf_weights.GGUF_NAME
-    if file.exists():  # a link the launcher wrote, read as the folder's other files are (symlinks, as in HF's cache)
-        if gguf_weights.own_setting(file) == "int4" == config.weights or not any((folder / n).is_file() for n in HF_WEIGHTS):
-            return gguf_weights.load(folder, file, dtype, device)
+def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
+    """The Hugging Face model of ``config.model_dir`` in the resolved dtype, on ``device``."""
     return AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, local_files_only=True, trust_remote_code=False,
-    ).to(device).eval(), None
+        allowed_folder("model_dir", config.model_dir), dtype=resolve_dtype(config.dtype, device, config.weights),
+        local_files_only=True, trust_remote_code=False,
+    ).to(device).eval()
+
+
+def load_weights(config: LLMConfig, device: torch.device) -> tuple[PreTrainedModel, gguf_weights.GGUFWeights | None]:
+    """``load_model``, or where the folder's ``model.gguf`` is to be read, the model without its linear
+    weights and the file they are still to be read from (``llm/gguf_weights.py``). The file is read where
+    its weights are 4-bit and the setting is int4 (the blocks as they are), or where the folder has no
+    Hugging Face weights."""
+    folder = allowed_folder("model_dir", config.model_dir)
+    file = folder / gguf_weights.GGUF_NAME
+    # A link the launcher wrote, read as the folder's other files are (symlinks, as in Hugging Face's cache).
+    if file.exists() and (gguf_weights.own_setting(file) == "int4" == config.weights
+                          or not any((folder / name).is_file() for name in HF_WEIGHTS)):
+        return gguf_weights.load(folder, file, resolve_dtype(config.dtype, device, config.weights), device)
+    return load_model(config, device), None
 
 
 def configure_threads(instance_count: int, device: torch.device) -> int:
@@ -132,7 +138,7 @@ class LLM:
         The engine keeps only its own copy of the weights (``Decoder``), not the Hugging Face modules."""
         self.config = config
         self.device = device
-        hf, stored = (model.to(device).eval(), None) if model is not None else load_model(config, device)
+        hf, stored = (model.to(device).eval(), None) if model is not None else load_weights(config, device)
         # The setting served: ``auto`` on a GGUF file is the file's own where its kernels run (CPUs).
         own = stored.own_setting() if stored is not None and config.weights == "auto" and device.type == "cpu" else "auto"
         self.weights = own if config.weights == "auto" else config.weights

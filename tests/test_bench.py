@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -71,6 +72,35 @@ def test_ratios_compare_the_same_workload_and_concurrency_and_the_best_llama_ser
     assert ours["vs_llama_server"] == pytest.approx(1.5) and ours["ttft_vs_static"] == pytest.approx(0.1)
     assert ours["roofline_fraction"] == pytest.approx(90 / LIMIT.tokens_per_s(4, 50.0))
     assert f32["roofline_tokens_per_s"] == pytest.approx(rooflines["float32"].tokens_per_s(4, 50.0))  # its own dtype
+
+
+def test_quantized_points_are_compared_with_llama_server_on_the_same_bits_and_their_own_rooflines():
+    from bench.report import quantized_markdown, quantized_rows
+
+    points = [p("ensemble_http_int4", "fixed", 1, 90.0, dtype="int4"), p("llama_server_q4_1", "fixed", 1, 100.0, dtype="Q4_1"),
+              p("ensemble_http_int4", "fixed", 16, 450.0, dtype="int4"), p("llama_server_q4_1", "fixed", 16, 300.0, dtype="Q4_1"),
+              p("llama_server_bf16", "fixed", 1, 50.0)]
+    limits = {"bfloat16": LIMIT, "int4": replace(LIMIT, dtype="int4", weight_bytes=LIMIT.weight_bytes // 4),
+              "Q4_1": replace(LIMIT, dtype="Q4_1", weight_bytes=LIMIT.weight_bytes // 3)}
+    ratios = with_ratios(points, limits, {"fixed": 50.0})
+    assert ratios[0]["vs_llama_server"] == pytest.approx(0.9)  # against Q4_1, not the faster-looking bf16 peer
+    assert ratios[0]["roofline_tokens_per_s"] == pytest.approx(limits["int4"].tokens_per_s(1, 50.0))
+    rows = quantized_rows(ratios, limits, {"fixed": 50.0})
+    assert [(r["concurrency"], r["ratio"], r["goal"]) for r in rows] == [(1, pytest.approx(0.9), 1.0), (16, pytest.approx(1.5), 1.5)]
+    table = quantized_markdown(rows)
+    assert "| int4 | Q4_1 | 1 | 90.0 | 100.0 | 0.90x | 1.0x (**missed**) |" in table[4]
+    assert "| int4 | Q4_1 | 16 | 450.0 | 300.0 | 1.50x | 1.5x (met) |" in table[5]
+
+
+def test_llama_cpp_reads_a_tied_models_embeddings_as_its_output_layer():
+    import gguf
+
+    from bench.quantized import gguf_weight_bytes
+    from launcher.model import gguf_path
+
+    tensors = gguf.GGUFReader(gguf_path()).tensors
+    assert "output.weight" not in {t.name for t in tensors}  # SmolLM2 ties them
+    assert gguf_weight_bytes(gguf_path()) == sum(int(t.n_bytes) for t in tensors)
 
 
 def test_peers_carry_the_dtype_names_the_rooflines_are_keyed_by():
@@ -218,3 +248,18 @@ def test_agreement_counts_tokens_before_the_first_difference():
     from bench.quality import agreement
 
     assert agreement([[1, 2, 3], [1, 2, 3]], [[1, 2, 3], [1, 9, 3]]) == (2.0, 0.5)
+
+
+@pytest.mark.parametrize("setting", ["bf16", "int8", "int4"])
+def test_the_memory_tables_bytes_are_what_a_loaded_model_reads(setting, model_dir):
+    """bench.memory's arithmetic (docs/operations.md's table, the 8B shape included) against the bytes the
+    default model reports once loaded (llm_weight_bytes)."""
+    import torch
+
+    from bench.memory import SHAPES, footprint
+    from llm import LLM, LLMConfig, kernels, resolve_dtype
+
+    if resolve_dtype("auto", torch.device("cpu")) != torch.bfloat16 or kernels.load() is not None:
+        pytest.skip("the table is for CPUs that compute bfloat16 (our kernels)")
+    llm = LLM(LLMConfig(str(model_dir), weights=setting, compile=False), torch.device("cpu"))
+    assert llm.weight_bytes == footprint(SHAPES["SmolLM2-135M-Instruct (the default model)"], setting)["read"]
