@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 import gguf
@@ -42,6 +43,19 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(sizes.values()) - sizes["token_embd.weight"] + (0 if "output.weight" in sizes else sizes["token_embd.weight"])
 
 
+def weight_bytes(port: int, timeout: float = 60.0) -> int:
+    """``llm_weight_bytes`` from a server's metrics port, which Triton opens just after it says ready."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return int(float(next(line.split()[-1] for line in text.splitlines() if line.startswith("llm_weight_bytes"))))
+        except (requests.ConnectionError, StopIteration):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def llama_file(bin_dir: Path, kind: str, out: Path) -> Path:
     """The shipped Q4_1 file as it is, or ``llama-quantize``'s ``kind`` of it."""
     return gguf_path() if kind == "Q4_1" else peers.llama_gguf(bin_dir, kind, out)
@@ -60,10 +74,7 @@ def run(sets: dict, ids: dict, model_dir: Path, concurrency: tuple[int, ...], bf
     for setting, _ in report.QUANTIZED_PAIRS:
         server, _ = start(MODEL_REPOSITORY, model_dir, out, f"ensemble-{setting}", config_name, WEIGHTS=setting)
         try:
-            metrics = requests.get(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).text
-            weight_bytes = int(float(next(line.split()[-1] for line in metrics.splitlines()
-                                          if line.startswith("llm_weight_bytes"))))
-            limits[setting] = limit(setting, weight_bytes)
+            limits[setting] = limit(setting, weight_bytes(server.ports.metrics))
             points += asyncio.run(sweep_triton(f"ensemble_http_{setting}", setting, server, fixed, FULL, concurrency))
         finally:
             server.stop()
