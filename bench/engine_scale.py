@@ -4,7 +4,7 @@ Weights are seeded random (no hub here); the vocabulary is the served model's to
 has a 128-token prompt and generates exactly 128 tokens. The weight-read limit is what a decode step can
 reach if reading the weights once per step were all it did: ``rows x read bandwidth / bytes read``, with
 the bandwidth measured on this device by ``bench.roofline.bandwidth`` (a full read of 2 GiB).
-``make gpu-check`` runs it at the Llama-3.2-1B and Llama-3.1-8B shapes in bf16.
+``make gpu-check`` runs it at the Llama-3.2-1B and Llama-3.1-8B shapes in bf16, and the 8B shape in fp8.
 """
 
 from __future__ import annotations
@@ -74,19 +74,21 @@ def _static_run(generator: StaticGenerator, batch) -> float:
 
 
 def measure(shape: str, tokenizer: PreTrainedTokenizerBase, device: torch.device, concurrency: tuple[int, ...],
-            bandwidth: float, deadline: float, say: Callable[[str], None]) -> dict:
+            bandwidth: float, deadline: float, say: Callable[[str], None], weights: str = "bf16") -> dict:
     """One shape at each concurrency: our engine's tok/s (after a first, timed run that must not be
     slower for compiling: the engine compiles and captures at load), Hugging Face ``generate``'s on the
-    same batch, and both against the weight-read limit. Stops early, saying so, at ``deadline``."""
+    same batch (bf16, whatever ``weights`` our engine stores), and both against the weight-read limit of
+    the bytes our engine reads. Stops early, saying so, at ``deadline``."""
     began = time.perf_counter()
     vocab = len(tokenizer)
     hf = random_model(shape, vocab, device)
-    llm = LLM(LLMConfig("unused", dtype="bfloat16", compile=True, kv_cache_tokens=max(concurrency) * (PROMPT + NEW),
+    llm = LLM(LLMConfig("unused", dtype="bfloat16", weights=weights, compile=True, kv_cache_tokens=max(concurrency) * (PROMPT + NEW),
                         max_tokens_limit=NEW, max_running_requests=max(concurrency)), device, hf, tokenizer)
     engine = llm.engine()
     built = COMPILATIONS.count
-    weights = llm.decoder.weight_bytes()
-    report = {"parameters_M": sum(p.numel() for p in hf.parameters()) / 1e6, "weights_read_GB": weights / 1e9,
+    weight_bytes = llm.decoder.weight_bytes()
+    report = {"weights": llm.weights, "parameters_M": sum(p.numel() for p in hf.parameters()) / 1e6,
+              "weights_read_GB": weight_bytes / 1e9,
               "load_and_compile_s": time.perf_counter() - began, "cuda_graphs": engine.runner.cuda_graphs, "points": []}
     say(f"{shape}: {report['parameters_M']:.0f}M parameters, engine built (compiled, {engine.runner.cuda_graphs} "
         f"CUDA graphs) in {report['load_and_compile_s']:.0f} s")
@@ -103,7 +105,7 @@ def measure(shape: str, tokenizer: PreTrainedTokenizerBase, device: torch.device
         ours = _engine_run(llm, engine, batch)
         _static_run(generator, batch[:1])  # Hugging Face's first call pays its own set-up
         theirs = _static_run(generator, batch)
-        limit = c * bandwidth / weights
+        limit = c * bandwidth / weight_bytes
         point = {"concurrency": c, "first_run_s": first, "engine_tok_s": c * NEW / ours,
                  "hf_generate_tok_s": c * NEW / theirs, "weight_read_limit_tok_s": limit,
                  "compilations_after_build": COMPILATIONS.count - built}

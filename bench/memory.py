@@ -4,7 +4,7 @@ For a model shape, by the storage ``llm`` gives each tensor (``llm/model.py`` an
 a CPU with bfloat16 (our kernels) and on a GPU:
 
 - **read a step**: the bytes a decode step reads of the weights (``llm_weight_bytes``): every linear layer
-  as its setting stores it (int8: a byte a weight and a float32 scale a row; int4: half a byte a weight
+  as its setting stores it (int8 and fp8: a byte a weight and a float32 scale a row; int4: half a byte a weight
   and a 16-bit scale and offset per 32), the output layer in bfloat16 on CPUs (``Head``: float32 on GPUs),
   the norms; the input embeddings are read by row, so not counted;
 - **resident**: what the weights occupy: that, the input embeddings, and on CPUs the output layer's
@@ -53,7 +53,7 @@ SHAPES = {
 
 def linear_bytes(n: int, k: int, setting: str, value_bytes: int) -> int:
     """One [N, K] linear layer as ``setting`` stores it (``value_bytes``: the model dtype's)."""
-    if setting == "int8":
+    if setting in ("int8", "fp8"):
         return n * k + 4 * n
     if setting == "int4":
         return n * k // 2 + n * (k // GROUP) * 2 * value_bytes
@@ -61,7 +61,7 @@ def linear_bytes(n: int, k: int, setting: str, value_bytes: int) -> int:
 
 
 def footprint(shape: Shape, setting: str, device: str = "cpu") -> dict[str, int]:
-    """Bytes read a decode step and resident, for ``setting`` (``bf16``, ``f32``, ``int8``, ``int4``)."""
+    """Bytes read a decode step and resident, for ``setting`` (``bf16``, ``f32``, ``int8``, ``int4``, ``fp8``)."""
     value_bytes = 4 if setting == "f32" else 2
     linear = sum(linear_bytes(n, k, setting, value_bytes) for n, k in shape.linears())
     norms = (2 * shape.layers + 1) * shape.hidden * value_bytes
@@ -79,7 +79,7 @@ def table(budget_gib: dict[str, float]) -> str:
              "the budget |", "|---|---|---|---|---|---|---|"]
     for name, shape in SHAPES.items():
         budget = budget_gib[name] * 2**30
-        for device, settings in (("cpu", ("bf16", "f32", "int8", "int4")), ("cuda", ("bf16",))):
+        for device, settings in (("cpu", ("bf16", "f32", "int8", "int4")), ("cuda", ("bf16", "fp8"))):
             for setting in settings:
                 f = footprint(shape, setting, device)
                 kv = shape.kv_bytes_per_token(4 if setting == "f32" else 2)

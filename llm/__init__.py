@@ -33,7 +33,7 @@ class LLMConfig:
 
     model_dir: str
     dtype: str = "auto"  # auto: bfloat16 where the hardware computes it natively, see resolve_dtype
-    weights: str = "auto"  # the linear layers' storage: auto (the dtype), bf16, f32, int8 or int4 (llm/quant.py)
+    weights: str = "auto"  # the linear layers' storage: auto (the dtype), bf16, f32, int8, int4 or fp8 (llm/quant.py)
     compile: bool = True  # torch.compile the forward pass (CUDA graphs on GPUs); false runs it eagerly
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = MAX_TOKENS_LIMIT
@@ -167,8 +167,7 @@ class LLM:
                         if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
                         f"oneDNN ({kernels.load() or 'our kernels take bfloat16 only'})")
         if self.weights in quant.QUANTIZED:
-            ours = self.decoder.layers[0].down.ours
-            self.kernels = (f"{self.weights} linear layers on {'our CPU kernel' if ours else 'torch weight-only kernels'}, "
+            self.kernels = (f"{self.weights} linear layers on {self.decoder.layers[0].down.kernel()}, "
                             f"the rest on {self.kernels}")
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,

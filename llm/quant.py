@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers: the ``weights`` setting's ``int8`` and ``int4``.
+"""Quantized linear layers: the ``weights`` setting's ``int8`` and ``int4`` (CPUs), and ``fp8`` (CUDA).
 
 Why: a decode step reads every weight once, so at a row or a few its time is the weights' bytes over the
 machine's read bandwidth. int8 takes half of bfloat16's bytes, int4 with its group scales about 0.3 of
@@ -9,6 +9,11 @@ the embeddings and output layer keep it too (``model.Head`` picks float32's gree
 - ``int4``: one scale and offset per ``GROUP`` input columns of each output row, ``w ~ (q - 8) x scale +
   zero`` with q in [0, 15]: GGUF's Q4_1 layout (``w = d q + m``, so ``scale = d``, ``zero = m + 8 d``),
   which is also what torch's int4 kernels take.
+- ``fp8``: float8 e4m3 weights with one float32 scale per output row, each row's largest magnitude at
+  448 (e4m3's largest). On GPUs of compute capability 8.9 and up (Ada, H100, H200) the activations are
+  quantized the same way per row at each step and ``torch._scaled_mm`` multiplies in fp8 with float32
+  sums (vLLM's and TensorRT-LLM's per-token, per-channel fp8); elsewhere the weights are de-quantized to
+  the model's dtype in the step (weight-only: the bytes read are fp8's, the arithmetic 16-bit).
 
 The matmuls: int8 in bfloat16 on CPUs with AVX512-BF16 runs our kernel (``llm/kernels.cpp``'s
 ``int8_linear``: the bf16 kernel's packed order, the int8 weights widened exactly to bfloat16 in
@@ -23,20 +28,39 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from llm import kernels
 
-SETTINGS = ("auto", "bf16", "f32", "int8", "int4")
-QUANTIZED = ("int8", "int4")
+SETTINGS = ("auto", "bf16", "f32", "int8", "int4", "fp8")
+QUANTIZED = ("int8", "int4", "fp8")
 GROUP = 32  # int4's input columns per scale: Q4_0 and Q4_1's block
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_ALIGN = 16  # torch._scaled_mm's K and N must be multiples of 16
 
 
 def check(setting: str, device: torch.device) -> None:
     """A setting this device runs, or a ValueError naming what would work (``LLMConfig`` checks the name).
-    The quantized settings run on CPUs: on GPUs their kernels have not run here yet, and nothing is served
-    in a precision that has not been checked."""
-    if setting in QUANTIZED and device.type != "cpu":
-        raise ValueError(f"parameter 'weights': {setting} runs on CPUs only so far; on {device.type} use bf16 or auto")
+    int8 and int4 run on CPUs: on GPUs their kernels have not run here yet, and nothing is served in a
+    precision that has not been checked. fp8 runs on CUDA GPUs."""
+    if setting in ("int8", "int4") and device.type != "cpu":
+        raise ValueError(f"parameter 'weights': {setting} runs on CPUs only so far; on {device.type} use fp8, bf16 or auto")
+    if setting == "fp8" and device.type != "cuda":
+        raise ValueError(f"parameter 'weights': fp8 runs on CUDA GPUs; on {device.type} use int8, int4, bf16 or auto")
+
+
+def fp8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] (or activations [M, K]) as float8 e4m3 and float32 scales [N], each row's largest
+    magnitude at e4m3's largest."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_scaled(device: torch.device) -> bool:
+    """Whether ``device`` multiplies in fp8 (``torch._scaled_mm``): CUDA compute capability 8.9 and up."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,13 +108,18 @@ def check_shape(setting: str, name: str, w: torch.Tensor) -> None:
     if setting == "int4" and w.shape[1] % GROUP:
         raise ValueError(f"parameter 'weights': int4 takes groups of {GROUP} input columns, and {name} has "
                          f"{w.shape[1]}; use int8, bf16 or auto for this model")
+    if setting == "fp8" and (w.shape[0] % FP8_ALIGN or w.shape[1] % FP8_ALIGN) and fp8_scaled(w.device):
+        raise ValueError(f"parameter 'weights': fp8 multiplies matrices whose sides are multiples of {FP8_ALIGN}, "
+                         f"and {name} is {w.shape[0]} x {w.shape[1]}; use bf16 or auto for this model")
 
 
 class QuantizedLinear(torch.nn.Module):
     """``x @ w.T (+ bias)`` from quantized weights, ``x`` in the model's dtype."""
 
-    def __init__(self, setting: str, weight: torch.Tensor | Int4, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        """``weight``: the layer's weights in ``dtype``, quantized here, or int4 ones already (a GGUF's)."""
+    def __init__(self, setting: str, weight: torch.Tensor | Int4, bias: torch.Tensor | None, dtype: torch.dtype,
+                 scaled: bool | None = None) -> None:
+        """``weight``: the layer's weights in ``dtype``, quantized here, or int4 ones already (a GGUF's).
+        ``scaled``: fp8 through ``torch._scaled_mm`` (default: where the device has it; tests set it)."""
         super().__init__()
         if isinstance(weight, Int4):
             assert setting == "int4", setting
@@ -111,6 +140,11 @@ class QuantizedLinear(torch.nn.Module):
             q, scale = int8_weights(weight)
             self.q = torch.nn.Parameter(q, requires_grad=False)
             self.scales = torch.nn.Parameter(scale.to(dtype), requires_grad=False)
+        elif setting == "fp8":
+            self.scaled = fp8_scaled(weight.device) if scaled is None else scaled
+            q, scale = fp8_weights(weight)
+            self.q = torch.nn.Parameter(q, requires_grad=False)
+            self.scales = torch.nn.Parameter(scale if self.scaled else scale.to(dtype), requires_grad=False)
         else:
             q, scale, zero = ready or int4_weights(weight)
             self.group = GROUP
@@ -120,11 +154,25 @@ class QuantizedLinear(torch.nn.Module):
             self.scales = torch.nn.Parameter(torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dtype),
                                              requires_grad=False)
 
+    def kernel(self) -> str:
+        """What multiplies, for the load log."""
+        if self.ours:
+            return "our CPU kernel"
+        if self.setting == "fp8":
+            return "torch._scaled_mm (fp8 activations too)" if self.scaled else "fp8 weights widened in the step"
+        return "torch weight-only kernels"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
             return torch.ops.triton_chat_cpu.int8_linear(x, self.q, self.scales, self.out_features, self.bias)
         if self.setting == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        elif self.setting == "fp8" and self.scaled:  # both in fp8, float32 sums, each side's row scales after
+            xq, xs = fp8_weights(x)
+            return torch._scaled_mm(xq, self.q.t(), scale_a=xs[:, None], scale_b=self.scales[None, :],
+                                    bias=self.bias, out_dtype=x.dtype)
+        elif self.setting == "fp8":
+            y = F.linear(x, self.q.to(x.dtype) * self.scales[:, None])
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, self.group, self.scales)
         return y if self.bias is None else y + self.bias

@@ -90,3 +90,20 @@ def test_other_settings_de_quantize_the_file_a_tensor_at_a_time(folder, weights)
     llm = LLM(LLMConfig(str(folder), weights=weights, compile=False), torch.device("cpu"))
     assert llm.weights == weights and llm.source == "model.gguf (Q4_1 x 210)"
     assert llm.weight_bytes / 2**20 > (240 if weights == "bf16" else 140)
+
+
+def test_the_launcher_serves_a_model_dir_naming_a_gguf_file_from_its_folder(monkeypatch):
+    """``MODEL_DIR=file.gguf make run``: the launcher hands Triton the file's prepared folder, the one
+    ``python -m launcher prepare file.gguf`` prints."""
+    import subprocess
+    import sys
+
+    from launcher.__main__ import model_dir
+    from launcher.paths import REPO_ROOT
+
+    monkeypatch.setenv("MODEL_DIR", str(gguf_path()))
+    folder = model_dir()
+    assert folder.name == gguf_path().stem and (folder / "model.gguf").resolve() == gguf_path().resolve()
+    printed = subprocess.run([sys.executable, "-m", "launcher", "prepare", str(gguf_path())], cwd=REPO_ROOT,
+                             capture_output=True, text=True, check=True, timeout=300).stdout.strip().splitlines()[-1]
+    assert printed == str(folder)

@@ -57,6 +57,10 @@ def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, d
     if setting == "int8":
         q, scale = quant.int8_weights(w)
         reference = q.float() * scale.to(dtype).float()[:, None]
+    elif setting == "fp8":  # weight-only, as on GPUs without fp8 arithmetic (fp8 is refused on CPUs at load)
+        assert not layer.scaled and layer.kernel() == "fp8 weights widened in the step"
+        q, scale = quant.fp8_weights(w)
+        reference = q.float() * scale.to(dtype).float()[:, None]
     else:
         q, scale, zero = quant.int4_weights(w)
         reference = quant.Int4(q, scale.to(dtype).float(), zero.to(dtype).float()).dequantize()
@@ -64,6 +68,31 @@ def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, d
     expected = F.linear(x.float(), reference, bias.float())
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max().item(), rtol=0)
+
+
+def test_fp8_rows_keep_their_largest_magnitude_and_e4m3s_relative_step():
+    w = weights()
+    q, scale = quant.fp8_weights(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (96,)
+    assert (q.float().abs().amax(dim=1) == quant.FP8_MAX).all()
+    # e4m3 keeps 3 mantissa bits: every weight within 2^-4 of itself (relative), or of the smallest normal
+    error = (q.float() * scale[:, None] - w).abs()
+    assert (error <= w.abs() * 2**-4 + scale[:, None] * 2**-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp8_with_fp8_activations_is_scaled_mm_over_both_sides_row_scales(rows):
+    """The path GPUs of compute capability 8.9 and up take (``torch._scaled_mm``), run on the CPU: each
+    activation row quantized like a weight row, then exactly the product of the two de-quantized sides."""
+    w, bias = weights().to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    layer = quant.QuantizedLinear("fp8", w, bias, torch.bfloat16, scaled=True)
+    assert layer.kernel() == "torch._scaled_mm (fp8 activations too)"
+    x = torch.randn(rows, 128).to(torch.bfloat16)
+    q, scale = quant.fp8_weights(w)
+    xq, xs = quant.fp8_weights(x)
+    expected = F.linear(xq.float() * xs[:, None], q.float() * scale[:, None], bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.01 * expected.abs().max().item(), rtol=0)
+    assert layer(x).dtype == torch.bfloat16
 
 
 def tiny_model() -> LlamaForCausalLM:
@@ -90,7 +119,7 @@ def dequantized(model: LlamaForCausalLM, setting: str) -> LlamaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("setting", quant.QUANTIZED)
+@pytest.mark.parametrize("setting", ["int8", "int4"])  # the CPU's (fp8: the layer tests above)
 def test_an_engine_on_quantized_weights_decodes_what_hugging_face_does_on_the_weights_they_stand_for(setting):
     """q, k and v are quantized together (one packed matrix): int8's row scales and int4's groups are per
     output row, so that equals quantizing each apart, which is what the reference does."""
@@ -106,14 +135,16 @@ def test_an_engine_on_quantized_weights_decodes_what_hugging_face_does_on_the_we
 
 
 def test_weights_settings_that_cannot_run_name_the_setting_and_what_would():
-    with pytest.raises(ValueError, match=r"parameter 'weights' must be one of auto, bf16, f32, int8, int4, got 'int3'"):
+    with pytest.raises(ValueError, match=r"parameter 'weights' must be one of auto, bf16, f32, int8, int4, fp8, got 'int3'"):
         LLMConfig("unused", weights="int3")
     with pytest.raises(ValueError, match=r"parameter 'weights' is bf16, which runs the model in bfloat16, but parameter "
                                          r"'dtype' is float32: set dtype to auto or bfloat16"):
         LLMConfig("unused", weights="bf16", dtype="float32")
-    for setting in quant.QUANTIZED:
-        with pytest.raises(ValueError, match=rf"parameter 'weights': {setting} runs on CPUs only so far; on cuda use bf16 or auto"):
+    for setting in ("int8", "int4"):
+        with pytest.raises(ValueError, match=rf"parameter 'weights': {setting} runs on CPUs only so far; on cuda use fp8, bf16 or auto"):
             quant.check(setting, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"parameter 'weights': fp8 runs on CUDA GPUs; on cpu use int8, int4, bf16 or auto"):
+        LLM(LLMConfig("unused", weights="fp8", compile=False, kv_cache_tokens=64), torch.device("cpu"), tiny_model(), Letters())
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
