@@ -12,6 +12,12 @@ import os
 from pathlib import Path
 
 
+# What a model folder holds as weights: Hugging Face's files, or a GGUF file linked in as ``GGUF_NAME``
+# (the launcher does it, launcher/model.py; llm reads it, llm/gguf_weights.py).
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+GGUF_NAME = "model.gguf"
+
+
 def model_roots() -> list[Path]:
     return [Path(root).resolve() for root in os.environ.get("MODEL_ROOTS", "").split(os.pathsep) if root]
 

@@ -5,7 +5,7 @@ dependency, the ``llm`` package, would shadow this project's ``llm/``) as a Q4_1
 (``MODEL_DIR`` may name one) becomes a folder once, under ``.cache/models/``: its config, tokenizer and
 generation config as transformers reads them, and the file itself linked as ``model.gguf``, which ``llm``
 reads (``llm/gguf_weights.py``: 4-bit blocks as they are). The default model's folder also holds the
-weights de-quantized once to 16 bits, which every setting but ``int4`` serves (``weights: auto`` serves
+weights de-quantized once to float32, which every setting but ``int4`` serves (``weights: auto`` serves
 bfloat16 on it, as before GGUF files were read).
 """
 
@@ -18,11 +18,11 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
+from contract.paths import GGUF_NAME as LINKED, HF_WEIGHTS
 from launcher.paths import CACHE_DIR
 
 DEFAULT_MODEL_DIR = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LINKED_GGUF = "model.gguf"  # llm/gguf_weights.py's GGUF_NAME
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def gguf_path() -> Path:
 def prepare_gguf(gguf: Path, target: Path | None = None, dequantized: bool = False) -> Path:
     """``gguf`` as a model folder (by default ``.cache/models/<file name>``), written once per version of
     the file (a changed file, by size and time, is prepared again); ``dequantized`` also saves its
-    weights in 16 bits. Returns the folder."""
+    weights de-quantized (float32). Returns the folder."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf = gguf.resolve()
@@ -73,7 +73,7 @@ def prepare_gguf(gguf: Path, target: Path | None = None, dequantized: bool = Fal
         config.save_pretrained(partial)
     generation.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    (partial / LINKED_GGUF).symlink_to(gguf)
+    (partial / LINKED).symlink_to(gguf)
     (partial / ".prepared").write_text(stamp)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
@@ -104,8 +104,7 @@ def model_folder(configured: Path) -> Path:
     return prepare_gguf(configured) if configured.suffix == ".gguf" and configured.is_file() else configured
 
 
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-           LINKED_GGUF)
+WEIGHTS = (*HF_WEIGHTS, LINKED)
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from contract.paths import allowed_folder
+from contract.paths import GGUF_NAME, HF_WEIGHTS, allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 from llm import gguf_weights, kernels, quant
@@ -94,9 +94,6 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
     return torch.bfloat16 if native else torch.float32
 
 
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
 def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
     """The Hugging Face model of ``config.model_dir`` in the resolved dtype, on ``device``."""
     return AutoModelForCausalLM.from_pretrained(
@@ -111,7 +108,7 @@ def load_weights(config: LLMConfig, device: torch.device) -> tuple[PreTrainedMod
     its weights are 4-bit and the setting is int4 (the blocks as they are), or where the folder has no
     Hugging Face weights."""
     folder = allowed_folder("model_dir", config.model_dir)
-    file = folder / gguf_weights.GGUF_NAME
+    file = folder / GGUF_NAME
     # A link the launcher wrote, read as the folder's other files are (symlinks, as in Hugging Face's cache).
     if file.exists() and (gguf_weights.own_setting(file) == "int4" == config.weights
                           or not any((folder / name).is_file() for name in HF_WEIGHTS)):
@@ -142,7 +139,7 @@ class LLM:
         # The setting served: ``auto`` on a GGUF file is the file's own where its kernels run (CPUs).
         own = stored.own_setting() if stored is not None and config.weights == "auto" and device.type == "cpu" else "auto"
         self.weights = own if config.weights == "auto" else config.weights
-        self.source = f"{gguf_weights.GGUF_NAME} ({stored.types()})" if stored is not None else "Hugging Face weights"
+        self.source = f"{GGUF_NAME} ({stored.types()})" if stored is not None else "Hugging Face weights"
         # The model's own vocabulary turns ids into text for stop strings (postprocess checks that its
         # tokenizer shares it).
         self.tokenizer = tokenizer or load_tokenizer(config.model_dir, "model_dir")

@@ -33,7 +33,6 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 
 from llm import quant
 
-GGUF_NAME = "model.gguf"  # a model folder's GGUF weights (the launcher links the file there)
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 # The decoder layers' linear weights: what the weights setting stores (the rest keeps the model's dtype).
