@@ -18,12 +18,14 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -188,6 +190,128 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return linear<int8_t>("int8_linear", x, packed, N, scale, bias, false);
 }
 
+// int4 (weights: int4): Q4_1's arithmetic, w = d q + m, q in [0, 15], d and m float16 per 32 input columns
+// of each output row (exactly a GGUF's Q4_0/Q4_1 block values). Packed at load, a group's 64 rows as two
+// halves of 32:
+//
+//   nibbles[g][h][p][b] (a byte): low nibble q[64 g + 32 h + b / 2][2 p + b % 2], high nibble the same 16 rows on
+//   scales[g][h][c][s][r] (float16): d (s = 0) or m (s = 1) of row 64 g + 32 h + r over columns 32 c to 32 c + 31
+//
+// One 32-byte load widened to 16-bit lanes holds, in its low and high nibbles, two vectors of 16 rows x a
+// pair of columns; a 32-entry table (vpermw, which reads an index's low 5 bits) turns each into bfloat16,
+// exactly. A column group's sums of x . q then take d, and m takes the group's sum of x (once per row of x):
+// sum_k x_k w_k = d sum_k x_k q_k + m sum_k x_k. Every row of x runs the same operations in the same order,
+// so a row's result does not depend on the rows beside it.
+constexpr int64_t kInt4Columns = 32;  // input columns per d and m: Q4_0 and Q4_1's block
+
+template <int MR>
+inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
+                      const c10::Half* scales, int64_t pairs, float* out) {
+  alignas(64) static const uint16_t kTable[32] = {  // bfloat16 of i % 16
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i table = _mm512_load_si512(kTable);
+  const auto half16 = [](const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t c = 0, p = 0; p < pairs; ++c, scales += 64) {
+    __m512 t[MR][2];
+    for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = _mm512_setzero_ps();
+    for (const int64_t end = p + kInt4Columns / 2; p < end; ++p, nibbles += 32) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles)));
+      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
+      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
+        t[m][0] = _mm512_dpbf16_ps(t[m][0], xv, w0);
+        t[m][1] = _mm512_dpbf16_ps(t[m][1], xv, w1);
+      }
+    }
+    const __m512 d0 = half16(scales), d1 = half16(scales + 16), m0 = half16(scales + 32), m1 = half16(scales + 48);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = _mm512_set1_ps(xsum[m * ldsum + c]);
+      acc[m][0] = _mm512_fmadd_ps(m0, s, _mm512_fmadd_ps(t[m][0], d0, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(m1, s, _mm512_fmadd_ps(t[m][1], d1, acc[m][1]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(out + m * kGroup, acc[m][0]);
+    _mm512_storeu_ps(out + m * kGroup + 16, acc[m][1]);
+  }
+}
+
+// (nibbles, scales) from q [N, K] (int32 in [0, 15]) and d, m [N, K / 32] (float32); rows past N are zeros.
+std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kInt && q.size(1) % kInt4Columns == 0,
+              "int4_pack: an int32 matrix [N, K], K a multiple of 32");
+  const int64_t N = q.size(0), K = q.size(1), pairs = K / 2, columns = K / kInt4Columns, groups = (N + kGroup - 1) / kGroup;
+  for (const auto* s : {&d, &m})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->size(0) == N && s->size(1) == columns, "int4_pack: float32 d and m [N, K / 32]");
+  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), mc = m.contiguous();
+  at::Tensor nibbles = at::zeros({groups, 2, pairs, 32}, q.options().dtype(at::kByte));
+  at::Tensor scales = at::zeros({groups, 2, columns, 2, 32}, q.options().dtype(at::kHalf));
+  const auto* src = qc.const_data_ptr<int32_t>();
+  auto* nib = nibbles.mutable_data_ptr<uint8_t>();
+  auto* sc = scales.mutable_data_ptr<c10::Half>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t g = n / kGroup, h = n % kGroup / 32, r = n % 32, high = r / 16;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t b = (r % 16) * 2 + k % 2;
+      nib[((g * 2 + h) * pairs + k / 2) * 32 + b] |= static_cast<uint8_t>(src[n * K + k] << (4 * high));
+    }
+    for (int64_t c = 0; c < columns; ++c) {
+      sc[(((g * 2 + h) * columns + c) * 2 + 0) * 32 + r] = c10::Half(dc.const_data_ptr<float>()[n * columns + c]);
+      sc[(((g * 2 + h) * columns + c) * 2 + 1) * 32 + r] = c10::Half(mc.const_data_ptr<float>()[n * columns + c]);
+    }
+  }
+  return {nibbles, scales};
+}
+
+// y = x @ w.T (+ bias), bfloat16, w the int4 weights int4_pack packed.
+at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at::Tensor& scales, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "int4_linear: x is bfloat16 [M, K]");
+  const at::Tensor x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), pairs = K / 2, columns = K / kInt4Columns, groups = nibbles.size(0);
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 4 && nibbles.size(2) == pairs &&
+                  K % kInt4Columns == 0 && groups * kGroup >= N && nibbles.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(2) == columns,
+              "int4_linear: the weights must come from int4_pack, K = x.size(1)");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "int4_linear: a float32 bias of N");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // Each row of x's sum over each column group, for the m term.
+  at::Tensor xsum = at::empty({M, columns}, x.options().dtype(at::kFloat));
+  const auto* xv = x.const_data_ptr<c10::BFloat16>();
+  float* sp = xsum.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < M * columns; ++i) {
+    float s = 0;
+    for (int64_t k = 0; k < kInt4Columns; ++k) s += static_cast<float>(xv[i * kInt4Columns + k]);
+    sp[i] = s;
+  }
+  const auto* xp = reinterpret_cast<const uint32_t*>(xv);
+  const uint8_t* nib = nibbles.const_data_ptr<uint8_t>();
+  const c10::Half* sc = scales.const_data_ptr<c10::Half>();
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(M * kGroup);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t m = 0; m < M; m += kRowsPerPass)
+          rows(M - m, [&](auto mr) {
+            int4_half<decltype(mr)::value>(xp + m * pairs, pairs, sp + m * columns, columns,
+                                           nib + (g * 2 + h) * pairs * 32, sc + (g * 2 + h) * columns * 64, pairs,
+                                           out.data() + m * kGroup + 32 * h);
+          });
+      const int64_t n0 = g * kGroup;
+      store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr,
+            bp ? bp + n0 : nullptr);
+    }
+  });
+  return y;
+}
+
 inline __m512 widen(const c10::BFloat16* p) {  // 16 bfloat16 as float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -328,6 +452,8 @@ TORCH_LIBRARY(triton_chat_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float32=False) -> Tensor");
   m.def("int8_pack(Tensor q) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int N, Tensor? bias) -> Tensor");
+  m.def("int4_pack(Tensor q, Tensor d, Tensor m) -> (Tensor, Tensor)");
+  m.def("int4_linear(Tensor x, Tensor nibbles, Tensor scales, int N, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triton_chat_cpu, CPU, m) {
@@ -335,5 +461,7 @@ TORCH_LIBRARY_IMPL(triton_chat_cpu, CPU, m) {
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_pack", &int8_pack);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_pack", &int4_pack);
+  m.impl("int4_linear", &int4_linear);
   m.impl("paged_attention", &paged_attention);
 }

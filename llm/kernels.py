@@ -85,6 +85,8 @@ def load() -> str | None:
                                         x.shape[0], n, dtype=torch.float32 if float32 else x.dtype))
         torch.library.register_fake("triton_chat_cpu::int8_linear",
                                     lambda x, packed, scale, n, bias: x.new_empty(x.shape[0], n))
+        torch.library.register_fake("triton_chat_cpu::int4_linear",
+                                    lambda x, nibbles, scales, n, bias: x.new_empty(x.shape[0], n))
     global loaded
     loaded = True
     return None

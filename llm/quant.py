@@ -15,12 +15,14 @@ the embeddings and output layer keep it too (``model.Head`` picks float32's gree
   sums (vLLM's and TensorRT-LLM's per-token, per-channel fp8); elsewhere the weights are de-quantized to
   the model's dtype in the step (weight-only: the bytes read are fp8's, the arithmetic 16-bit).
 
-The matmuls: int8 in bfloat16 on CPUs with AVX512-BF16 runs our kernel (``llm/kernels.cpp``'s
-``int8_linear``: the bf16 kernel's packed order, the int8 weights widened exactly to bfloat16 in
-registers for up to 4 rows, into L1 once for more); torch's ``aten._weight_int8pack_mm`` elsewhere. int4 runs torch's
-``aten._weight_int4pack_mm_for_cpu``. Measured against our bf16 kernel on the default model's layers
-(2 cores, cold weights): torch's int8 kernel was no faster at one row (7.5 against 7.1 ms a step) and 2.6x
-slower at 16 rows, its int4 1.9x faster at one row and 1.7x slower at 16 (docs/configuration.md).
+The matmuls, in bfloat16 on CPUs with AVX512-BF16, run our kernels (``llm/kernels.cpp``): ``int8_linear``
+(the bf16 kernel's packed order, the int8 weights widened exactly to bfloat16 in registers for up to 4
+rows, into L1 once for more) and ``int4_linear`` (Q4_1's own arithmetic, ``d q + m`` with d and m in
+float16 as a GGUF holds them, the nibbles widened through a table in registers). Elsewhere (float32,
+other CPUs) torch's ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``, whose int4
+scales are in the model's dtype. Measured on the default model's layers (2 cores, cold weights): torch's
+int8 kernel was no faster than our bf16 one at one row and 2.6x slower at 16 rows, its int4 1.3x slower
+than ours at one row and 1.6-1.9x slower from 16 (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -128,9 +130,10 @@ class QuantizedLinear(torch.nn.Module):
             ready = None
         self.setting, self.out_features = setting, weight.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        # Our int8 kernel where the bf16 one runs (llm/model.py's ``_ours``): bfloat16 on a CPU that has it.
-        self.ours = setting == "int8" and weight.device.type == "cpu" and dtype == torch.bfloat16 and kernels.load() is None
-        if self.ours:
+        # Our int8 and int4 kernels where the bf16 one runs (llm/model.py's ``_ours``): bfloat16 on a CPU that has it.
+        self.ours = (setting in ("int8", "int4") and weight.device.type == "cpu" and dtype == torch.bfloat16
+                     and kernels.load() is None)
+        if self.ours and setting == "int8":
             q, scale = int8_weights(weight)
             self.q = torch.nn.Parameter(torch.ops.triton_chat_cpu.int8_pack(q), requires_grad=False)
             self.scales = torch.nn.Parameter(scale, requires_grad=False)
@@ -145,6 +148,12 @@ class QuantizedLinear(torch.nn.Module):
             q, scale = fp8_weights(weight)
             self.q = torch.nn.Parameter(q, requires_grad=False)
             self.scales = torch.nn.Parameter(scale if self.scaled else scale.to(dtype), requires_grad=False)
+        elif self.ours:  # Q4_1's own arithmetic, w = d q + m, d and m in float16 as a GGUF holds them
+            q, scale, zero = ready or int4_weights(weight)
+            packed = torch.ops.triton_chat_cpu.int4_pack(q, scale, zero - 8 * scale)
+            self.q, self.scales = (torch.nn.Parameter(t, requires_grad=False) for t in packed)
+            if bias is not None:
+                self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         else:
             q, scale, zero = ready or int4_weights(weight)
             self.group = GROUP
@@ -163,6 +172,8 @@ class QuantizedLinear(torch.nn.Module):
         return "torch weight-only kernels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours and self.setting == "int4":
+            return torch.ops.triton_chat_cpu.int4_linear(x, self.q, self.scales, self.out_features, self.bias)
         if self.ours:
             return torch.ops.triton_chat_cpu.int8_linear(x, self.q, self.scales, self.out_features, self.bias)
         if self.setting == "int8":

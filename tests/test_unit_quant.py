@@ -51,9 +51,9 @@ def test_int4_groups_map_their_minimum_and_maximum_to_0_and_15():
 def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, dtype, rows):
     w, bias = weights().to(dtype), torch.randn(96).to(dtype)
     layer = quant.QuantizedLinear(setting, w, bias, dtype)
-    # int8 in bfloat16 runs our kernel where the CPU has AVX512-BF16: its in-register path (up to 4 rows)
-    # and its widened-slice path (more).
-    assert layer.ours == (setting == "int8" and dtype == torch.bfloat16 and kernels.load() is None)
+    # int8 and int4 in bfloat16 run our kernels where the CPU has AVX512-BF16: int8's in-register path (up
+    # to 4 rows) and its widened-slice path (more).
+    assert layer.ours == (setting in ("int8", "int4") and dtype == torch.bfloat16 and kernels.load() is None)
     if setting == "int8":
         q, scale = quant.int8_weights(w)
         reference = q.float() * scale.to(dtype).float()[:, None]
@@ -61,13 +61,29 @@ def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, d
         assert not layer.scaled and layer.kernel() == "fp8 weights widened in the step"
         q, scale = quant.fp8_weights(w)
         reference = q.float() * scale.to(dtype).float()[:, None]
-    else:
+    elif layer.ours:  # Q4_1's own arithmetic: w = d q + m, d and m (= zero - 8 d) in float16
+        q, scale, zero = quant.int4_weights(w)
+        d, m = scale.half().float(), (zero - 8 * scale).half().float()
+        reference = (q.view(96, -1, quant.GROUP).float() * d[..., None] + m[..., None]).view(96, 128)
+    else:  # torch's kernel: scale and zero in the model's dtype
         q, scale, zero = quant.int4_weights(w)
         reference = quant.Int4(q, scale.to(dtype).float(), zero.to(dtype).float()).dequantize()
     x = torch.randn(rows, 128).to(dtype)
     expected = F.linear(x.float(), reference, bias.float())
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.skipif(kernels.load() is not None, reason="our CPU kernels need AVX512-BF16")
+@pytest.mark.parametrize("setting", ["int8", "int4"])
+def test_a_rows_result_on_our_kernels_does_not_depend_on_the_rows_beside_it(setting):
+    """A request's tokens are the same alone or in any batch: each row of x takes the same operations in
+    the same order, in-register (up to 4 rows) or not, on every output row (64 of a group, and the rest)."""
+    layer = quant.QuantizedLinear(setting, weights(n=200, k=192).to(torch.bfloat16), None, torch.bfloat16)
+    x = torch.randn(37, 192).to(torch.bfloat16)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
+    for rows in (2, 3, 4, 5, 16, 37):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
 def test_fp8_rows_keep_their_largest_magnitude_and_e4m3s_relative_step():
