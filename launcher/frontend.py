@@ -37,7 +37,9 @@ class OpenAIFrontend:
         if not port_is_free(self.port):
             raise RuntimeError(f"port {self.port} (OPENAI_PORT) is already in use; stop that server or set OPENAI_PORT")
         env = {**os.environ, "TRITON_GRPC_URL": self.triton.grpc_url, "OPENAI_PORT": str(self.port),
-               "OPENAI_MODEL_NAME": self.model_name, "TRITON_PID": str(self.triton.process.pid), **self.env}
+               "OPENAI_MODEL_NAME": self.model_name, "TRITON_PID": str(self.triton.process.pid),
+               # The folder llm reads (a GGUF file's prepared one): its config.json says the context /tokenize reports.
+               **{k: v for k, v in self.triton.model_env.items() if k == "MODEL_DIR"}, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
         out = open(self.log_path, "wb") if self.log_path else None
         self.process = subprocess.Popen([sys.executable, "-m", "openai_frontend"], env=env, stdout=out,

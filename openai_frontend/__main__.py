@@ -4,7 +4,8 @@ Every option has an environment variable, so the launcher, the image and compose
 way: ``TRITON_GRPC_URL``, ``OPENAI_PORT`` (9000, as Triton's own OpenAI frontend), ``OPENAI_MODEL_NAME``
 (default: the name of ``MODEL_DIR``'s folder), ``OPENAI_REQUEST_TIMEOUT`` (seconds), ``API_KEYS``
 (comma-separated) or ``API_KEYS_FILE`` (one key a line), ``DRAIN_TIMEOUT`` (seconds a stop lets requests
-finish, 30) and ``TRITON_PID``.
+finish, 30), ``TRITON_PID`` and ``MAX_MODEL_LEN`` (the model's context that ``/tokenize`` reports; default:
+``MODEL_DIR``'s ``config.json``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import uvicorn
 
 from openai_frontend.app import Settings, create_app
 from openai_frontend.shutdown import Server
+from openai_frontend.tokens import model_context
 
 
 def default_model_name() -> str:
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a stop (SIGTERM) lets requests in flight finish before ending them")
     parser.add_argument("--triton-pid", type=int, default=int(env("TRITON_PID", "0")) or None,
                         help="the tritonserver whose Python stubs to watch (default: any on this host)")
+    parser.add_argument("--max-model-len", type=int, default=int(env("MAX_MODEL_LEN", "0")) or model_context(env("MODEL_DIR")),
+                        help="the model's context in tokens, which /tokenize reports (default: MODEL_DIR's config.json)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not args.request_timeout > 0:
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.drain_timeout < float("inf"):
         parser.error("--drain-timeout (DRAIN_TIMEOUT) must be a number of seconds >= 0")
     settings = Settings(args.triton_url, args.model_name, args.request_timeout,
-                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.drain_timeout)
+                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.drain_timeout,
+                        args.max_model_len)
     log = logging.getLogger("openai_frontend")
     log.info("OpenAI API for %r: waiting for Triton (gRPC %s) to be ready before answering on :%d",
              settings.model_name, settings.triton_url, args.port)

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,15 +32,18 @@ from openai_frontend.answer import Deadline, Generations, answer
 from openai_frontend.errors import APIError, ClientGone
 from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.schemas import (
-    PASSED, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, UnsupportedField,
-    without_unsupported,
+    PASSED, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, Strict,
+    UnsupportedField, without_unsupported,
 )
 from openai_frontend.shutdown import Drain
-from openai_frontend.triton import Triton
+from openai_frontend.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse, tokenize_schema
+from openai_frontend.triton import PipelineError, Triton
 
 log = logging.getLogger("openai_frontend")
+Body = TypeVar("Body", bound=Strict)
 # The pipeline names the field at fault first in its messages; these are the names clients sent.
 SAMPLING_NAMES = {f.name: f.name for f in PASSED} | {"stop": "stop"}
+TOKEN_ROUTES = ("/tokenize", "/detokenize")  # vLLM's paths, without /v1; keys and drains guard them as /v1's
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Settings:
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
     triton_pid: int | None = None  # the tritonserver whose stubs to watch; None: any on this host
     drain_timeout: float = 30.0  # seconds a stop lets requests in flight finish (openai_frontend/shutdown.py)
+    max_model_len: int | None = None  # the model's context, for /tokenize (openai_frontend/tokens.py)
 
 
 class Metrics:
@@ -92,11 +97,11 @@ class Gate:
                 status[0] = message["status"]
             await send(message)
 
-        keys = self.settings.api_keys
-        if scope["path"].startswith("/v1") and keys and not _authorized(Request(scope), keys):
+        keys, api = self.settings.api_keys, scope["path"].startswith("/v1") or scope["path"] in TOKEN_ROUTES
+        if api and keys and not _authorized(Request(scope), keys):
             error = APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", code="invalid_api_key")
             await error.response()(scope, receive, recording_send)
-        elif self.drain.started and scope["method"] == "POST" and scope["path"].startswith("/v1"):
+        elif self.drain.started and scope["method"] == "POST" and api:
             await APIError(503, STOPPING, code="unavailable").response()(scope, receive, recording_send)
         else:
             self.metrics.in_flight.inc()
@@ -148,6 +153,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
     _answer_errors(app)
     _serve_status(app, settings, readiness, metrics, drain)
     _serve_generations(app, settings, triton, metrics, drain)
+    _serve_tokens(app, settings, triton)
     return app
 
 
@@ -235,6 +241,29 @@ def _serve_generations(app: FastAPI, settings: Settings, triton: Triton, metrics
         return await answer(generations, CompletionReply(body, settings.model_name), metrics, "/v1/completions")
 
 
+def _serve_tokens(app: FastAPI, settings: Settings, triton: Triton) -> None:
+    """``/tokenize`` and ``/detokenize``: the pipeline's own preprocess and postprocess (openai_frontend/tokens.py)."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await _parse(request, tokenize_schema, settings)
+        names = {"text_input": "prompt", "messages": "messages", "tools": "tools"}
+        try:
+            ids = await triton.tokenize(body.prompt_of())
+        except PipelineError as e:
+            raise APIError.of(e, names) from None
+        return TokenizeResponse(count=len(ids), max_model_len=settings.max_model_len, tokens=ids).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await _parse(request, DetokenizeRequest, settings)
+        try:
+            text = await triton.detokenize(body.tokens) if body.tokens else ""
+        except PipelineError as e:
+            raise APIError.of(e, {"output_ids": "tokens"}) from None
+        return DetokenizeResponse(prompt=text).model_dump()
+
+
 def _authorized(request: Request, keys: frozenset[str]) -> bool:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
@@ -248,8 +277,8 @@ def _check_model(model: str, settings: Settings) -> None:
         raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r} (GET /v1/models)",
                        "model", "model_not_found")
 
-async def _parse(request: Request, schema: type[GenerationFields], settings: Settings) -> GenerationFields:
-    """The body as ``schema``, or a 400 that names the field."""
+async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Body]], settings: Settings) -> Body:
+    """The body as ``schema`` (or the schema ``schema`` picks for the body), or a 400 that names the field."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -259,6 +288,8 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
         raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if not isinstance(schema, type):
+        schema = schema(data)
     try:
         body = schema.model_validate(without_unsupported(data))
         body.check()
@@ -270,5 +301,6 @@ async def _parse(request: Request, schema: type[GenerationFields], settings: Set
         error = max(e.errors(), key=lambda err: (len(err["loc"]), any("[" in str(p) for p in err["loc"])))
         param = ".".join(str(part) for part in error["loc"] if not _union_member(part)) or None
         raise APIError(400, f"{param + ': ' if param else ''}{error['msg']}", param) from None
-    _check_model(body.model, settings)
+    if body.model is not None:  # optional on /tokenize and /detokenize, as vLLM's
+        _check_model(body.model, settings)
     return body

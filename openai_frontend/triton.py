@@ -1,4 +1,6 @@
-"""The front end's one way into Triton: a gRPC stream per generation to ``ensemble``.
+"""The front end's one way into Triton: a gRPC stream per generation to ``ensemble``, and for ``/tokenize``
+and ``/detokenize`` one call to the pipeline's own ``preprocess`` or ``postprocess`` (so a count is the
+pipeline's, with its tokenizer and template, swapped or not).
 
 Every generation streams, whatever the client asked: the first response tells whether the pipeline took
 the request (so a bad request is a 4xx before any byte of a stream goes out), and a client that goes away
@@ -15,12 +17,14 @@ import logging
 import re
 from collections.abc import AsyncIterator
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
 from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of
 from contract.errors import classify
+from contract.schema import request_fields
 from triton_glue.stubs import DeathWatch
 
 log = logging.getLogger("openai_frontend")
@@ -28,6 +32,8 @@ log = logging.getLogger("openai_frontend")
 WATCH_SECONDS = 1.0
 ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, before the failing step's own message
 GUARDED_MODELS = ("llm", "preprocess", "postprocess")
+PREPROCESS, POSTPROCESS = "preprocess", "postprocess"
+PREPROCESS_INPUTS = frozenset(f.name for f in request_fields(PREPROCESS))
 
 
 class PipelineError(Exception):
@@ -55,6 +61,7 @@ class Triton:
         self.deaths = DeathWatch(GUARDED_MODELS, server_pid)
         self._inboxes: set[asyncio.Queue] = set()  # one per generation in flight
         self._watch: asyncio.Task | None = None
+        self._fingerprint: str | None = None  # preprocess's tokenizer, which postprocess asks ids to come from
 
     async def start(self) -> None:
         self.client = aio.InferenceServerClient(self.url)
@@ -110,6 +117,48 @@ class Triton:
             done.set()
             responses.cancel()
             reader.cancel()
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """``prompt``'s token ids as ``preprocess`` makes them for a generation; raises ``PipelineError``."""
+        inputs = [t for t in build_inputs(grpcclient, prompt) if t.name() in PREPROCESS_INPUTS]
+        result = await self._infer(PREPROCESS, inputs, ("input_ids", "tokenizer_fingerprint"))
+        self._fingerprint = result.as_numpy("tokenizer_fingerprint")[0][0].decode()
+        return result.as_numpy("input_ids")[0].tolist()
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text ``postprocess`` makes of ``ids`` as a whole reply (special tokens left out); raises
+        ``PipelineError``. Asks preprocess for its tokenizer's fingerprint first, and again once when
+        postprocess refuses it (the tokenizer was swapped since)."""
+        for attempt in range(2):
+            if self._fingerprint is None or attempt:
+                await self.tokenize(Prompt(text_input=" ", apply_chat_template=False))
+            try:
+                return await self._decode(ids, self._fingerprint)
+            except PipelineError as e:
+                if attempt or not str(e).startswith("tokenizer_fingerprint"):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _decode(self, ids: list[int], fingerprint: str) -> str:
+        def tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
+            t = grpcclient.InferInput(name, list(value.shape), datatype)
+            t.set_data_from_numpy(value)
+            return t
+
+        count = np.array([[len(ids)]], dtype=np.int32)
+        inputs = [tensor("output_ids", np.array([ids], dtype=np.int32), "INT32"),
+                  tensor("sent_tokens", np.zeros((1, 1), dtype=np.int32), "INT32"),
+                  tensor("completion_tokens", count, "INT32"), tensor("prompt_tokens", np.zeros((1, 1), dtype=np.int32), "INT32"),
+                  tensor("finish_reason", np.array([[b"stop"]], dtype=np.object_), "BYTES"),
+                  tensor("tokenizer_fingerprint", np.array([[fingerprint.encode()]], dtype=np.object_), "BYTES")]
+        result = await self._infer(POSTPROCESS, inputs, ("text_output",))
+        return result.as_numpy("text_output")[0][0].decode("utf-8")
+
+    async def _infer(self, model: str, inputs: list, outputs: tuple[str, ...]):
+        try:
+            return await self.client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+        except Exception as e:
+            raise _error(e) from None
 
     async def _watch_stubs(self) -> None:
         """Fail every generation in flight when a pipeline stub dies: Triton would never answer them."""

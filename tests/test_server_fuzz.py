@@ -193,3 +193,32 @@ def test_the_openai_api_answers_every_body_with_a_reply_or_an_openai_error(opena
     reply = requests.post(f"{openai_frontend.url}/v1/chat/completions", data=data, timeout=120,
                           headers={"Content-Type": "application/json"})
     check_openai(reply.status_code, reply.headers.get("content-type", ""), reply.text)
+
+
+TOKENIZE = st.one_of(
+    st.fixed_dictionaries({"prompt": st.one_of(TEXT, JUNK)}, optional={
+        "add_special_tokens": st.one_of(st.booleans(), JUNK), "return_token_strs": st.one_of(st.booleans(), JUNK)}),
+    st.fixed_dictionaries({"messages": st.one_of(st.lists(MESSAGE, max_size=3), JUNK)}, optional={
+        "tools": st.one_of(st.lists(TOOL, max_size=2), JUNK), "add_generation_prompt": st.one_of(st.booleans(), JUNK),
+        "continue_final_message": st.one_of(st.booleans(), JUNK), "add_special_tokens": st.one_of(st.booleans(), JUNK)}),
+    JUNK,
+).map(lambda body: body if not isinstance(body, dict) else {**body, "model": "SmolLM2-135M-Instruct"})
+DETOKENIZE = st.fixed_dictionaries({"tokens": st.one_of(st.lists(st.integers(-5, 60000), max_size=20),
+                                                        st.lists(st.integers(-2**70, 2**70), max_size=3), JUNK)},
+                                   optional={"model": st.one_of(st.just("SmolLM2-135M-Instruct"), st.text(max_size=8), JUNK)})
+
+
+@FUZZ
+@given(path=st.sampled_from(["tokenize", "detokenize"]), data=st.data())
+def test_tokenize_and_detokenize_answer_every_body_with_their_reply_or_an_openai_error(openai_frontend, llm_stubs, path, data):
+    body = data.draw(TOKENIZE if path == "tokenize" else DETOKENIZE)
+    reply = requests.post(f"{openai_frontend.url}/{path}", data=json.dumps(body), timeout=120,
+                          headers={"Content-Type": "application/json"})
+    assert reply.status_code in (200, 400, 404), (reply.status_code, reply.text[:300])
+    if reply.status_code != 200:
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and len(error["message"]) > 8, error
+    elif path == "tokenize":
+        assert reply.json()["count"] == len(reply.json()["tokens"])
+    else:
+        assert isinstance(reply.json()["prompt"], str)

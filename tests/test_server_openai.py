@@ -424,3 +424,8 @@ def test_api_keys_guard_v1_and_leave_health_open(keyed_frontend, model):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_frontend.url}/v1", api_key="nope", max_retries=0).models.list()
     assert requests.get(f"{keyed_frontend.url}/health", timeout=30).status_code == 200
+    for path in ("tokenize", "detokenize"):  # vLLM's paths, outside /v1, guarded all the same
+        body = {"prompt": "x"} if path == "tokenize" else {"tokens": [1]}
+        assert requests.post(f"{keyed_frontend.url}/{path}", json=body, timeout=30).status_code == 401
+        assert requests.post(f"{keyed_frontend.url}/{path}", json=body, timeout=30,
+                             headers={"Authorization": "Bearer file-key"}).status_code == 200
