@@ -56,6 +56,7 @@ class Chunk:
     token_logprobs: list[dict] | None = None  # with logprobs: the tokens this chunk's text shows
     prompt_token_logprobs: list[dict] | None = None  # with prompt_logprobs, in the first chunk: the prompt's tokens
     cached_tokens: int = 0  # of prompt_tokens, those found in the prefix cache
+    stop_reason: str = ""  # in the last chunk: the stop string that ended the reply, if one did
 
 
 def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
@@ -97,7 +98,7 @@ def chunk_of(result) -> Chunk:
     return Chunk(
         value("text_output").decode("utf-8"), int(value("completion_tokens")), int(value("prompt_tokens")),
         value("finish_reason").decode("utf-8"), parse_logprobs(value("token_logprobs")),
-        parse_logprobs(value("prompt_token_logprobs")), int(value("cached_tokens")),
+        parse_logprobs(value("prompt_token_logprobs")), int(value("cached_tokens")), value("stop_reason").decode("utf-8"),
     )
 
 
@@ -136,7 +137,7 @@ class ChatClient:
                     raise InferenceServerException(data["error"], status=str(reply.status_code))
                 yield Chunk(data["text_output"], data["completion_tokens"], data["prompt_tokens"], data["finish_reason"],
                             parse_logprobs(data["token_logprobs"]), parse_logprobs(data["prompt_token_logprobs"]),
-                            data["cached_tokens"])
+                            data["cached_tokens"], data["stop_reason"])
             if reply.status_code != 200:
                 raise InferenceServerException(reply.text, status=str(reply.status_code))
 

@@ -189,6 +189,8 @@ RESPONSE = (
           "cache saved (an earlier request began with them: a conversation's earlier turns, a shared system prompt)"),
     Field("finish_reason", "TYPE_STRING", optional=False, help="empty until the last response: stop (end of turn, "
           "a stop string or a stop token) or length (max_tokens)"),
+    Field("stop_reason", "TYPE_STRING", optional=False, help="in the last response, the stop string that ended the "
+          "reply (vLLM's stop_reason; Anthropic's stop_sequence); empty otherwise (end of turn, a stop token, length)"),
     Field("token_logprobs", "TYPE_STRING", optional=False, help="with logprobs: a JSON list of the tokens whose text "
           'this response shows, each {"token", "bytes", "logprob", "top_logprobs"} (OpenAI\'s chat shape); empty otherwise'),
     Field("prompt_token_logprobs", "TYPE_STRING", optional=False, help="with prompt_logprobs, in the first response: "

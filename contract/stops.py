@@ -17,6 +17,12 @@ def find_stop(text: str, stop: Sequence[str], after: int = 0) -> int | None:
     return min(starts, default=None)
 
 
+def matched_stop(text: str, stop: Sequence[str], after: int = 0) -> str | None:
+    """The stop string ``find_stop`` cuts ``text`` at (the shortest there: the one completed first), or None."""
+    cut = find_stop(text, stop, after)
+    return None if cut is None else min((s for s in stop if text.startswith(s, cut) and cut + len(s) > after), key=len)
+
+
 def partial_stop_length(text: str, stop: Sequence[str]) -> int:
     """Length of the longest tail of ``text`` that is the start of some stop string.
 

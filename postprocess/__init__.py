@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from contract.errors import InvalidInput
-from contract.stops import visible_text
+from contract.stops import matched_stop, visible_text
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 
 
@@ -39,6 +39,7 @@ class Delta:
 
     text: str
     logprobs: list[dict] | None = None
+    stop_reason: str = ""  # in the last response: the stop string that ended the reply, if one did
 
 
 class Detokenizer:
@@ -74,16 +75,19 @@ class Detokenizer:
         if not 0 <= sent <= len(ids):
             raise InvalidInput(f"sent_tokens must be in [0, {len(ids)}], got {sent}")
         after = response.stop_after
-        now = visible_text(self._decode(ids), response.stop, response.finished, after)
+        decoded = self._decode(ids)
+        now = visible_text(decoded, response.stop, response.finished, after)
         before = visible_text(self._decode(ids[:sent]), response.stop, False, after) if sent else ""
         text = now[len(before):]
+        stop_reason = (matched_stop(decoded, response.stop, after) or "") if response.finished else ""
         if response.logprobs is None:
-            return Delta(text)
+            return Delta(text, stop_reason=stop_reason)
         if len(response.logprobs) != len(ids) or len(response.top_ids or []) != len(ids):
             raise InvalidInput(f"output_logprobs and top_logprob_ids need a row per output id ({len(ids)})")
         first = self._shown(ids[:sent], len(before))
         last = len(ids) if response.finished else self._shown(ids, len(now))
-        return Delta(text, [self._entry(ids[i], response.logprobs[i], response.top_ids[i]) for i in range(first, last)])
+        return Delta(text, [self._entry(ids[i], response.logprobs[i], response.top_ids[i]) for i in range(first, last)],
+                     stop_reason)
 
     def prompt_entries(self, logprobs: list[list[float]], ids: list[list[int]]) -> list[dict]:
         """The prompt's tokens as the same items: a row each, the token's id then its alternatives' ids

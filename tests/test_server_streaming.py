@@ -67,6 +67,9 @@ def test_a_stop_string_ends_the_stream_and_never_leaks(http_client):
     chunks, reason = streamed(http_client, Prompt(STORY, 64, stop=[stop, "never-generated-zzz"], ignore_eos=True))
     assert reason == "stop" and "".join(chunks) == whole[: whole.index(stop)]
     assert not any(stop.strip() in c for c in chunks)
+    # The last response names the stop string that ended the reply; none for a reply that ran to its length.
+    assert http_client.generate(Prompt(STORY, 64, stop=["never-generated-zzz", stop], ignore_eos=True)).stop_reason == stop
+    assert http_client.generate(Prompt(STORY, 4, ignore_eos=True)).stop_reason == ""
 
 
 def test_chinese_and_emoji_stream_as_whole_characters(http_client, grpc_client):

@@ -181,6 +181,14 @@ def test_a_stop_string_cuts_the_text_and_never_leaks_into_a_chunk(detokenizer, t
     assert "".join(chunks) == expected == whole(detokenizer, ids, stop)
 
 
+def test_the_last_response_names_the_stop_string_that_ended_the_reply(detokenizer, tokenizer):
+    """The shortest of those that start where the text is cut: the one generation completed first."""
+    ids = tokenizer.encode(TEXT)
+    assert detokenizer.delta(LLMResponse(ids, 0, finished=True, stop=("never", "🌍😀", "🌍"))).stop_reason == "🌍"
+    assert detokenizer.delta(LLMResponse(ids, 0, finished=True, stop=("never",))).stop_reason == ""
+    assert detokenizer.delta(LLMResponse(ids, 0, finished=False, stop=("🌍",))).stop_reason == ""
+
+
 def test_a_partial_stop_string_is_released_at_the_end(detokenizer, tokenizer):
     ids = tokenizer.encode(TEXT)
     assert "".join(stream(detokenizer, ids, ("ok!",))) == TEXT

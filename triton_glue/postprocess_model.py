@@ -19,7 +19,7 @@ from triton_glue.tensors import error_response, failure, response, scalar, singl
 
 
 def _chunk(request, text: str, token_logprobs: bytes, finish_reason: bytes,
-           prompt_token_logprobs: bytes = b"") -> "pb_utils.InferenceResponse":
+           prompt_token_logprobs: bytes = b"", stop_reason: str = "") -> "pb_utils.InferenceResponse":
     return response(
         text_output=np.array([[text.encode("utf-8")]], dtype=np.object_),
         token_logprobs=np.array([[token_logprobs]], dtype=np.object_),
@@ -28,6 +28,7 @@ def _chunk(request, text: str, token_logprobs: bytes, finish_reason: bytes,
         prompt_tokens=np.array([[scalar(request, "prompt_tokens") or 0]], dtype=np.int32),
         cached_tokens=np.array([[scalar(request, "cached_tokens") or 0]], dtype=np.int32),
         finish_reason=np.array([[finish_reason]], dtype=np.object_),
+        stop_reason=np.array([[stop_reason.encode("utf-8")]], dtype=np.object_),
     )
 
 
@@ -84,4 +85,4 @@ class TritonPythonModel:
         prompt = b""
         if prompt_values is not None and prompt_rows is not None and prompt_rows.shape[0] > 0:
             prompt = json.dumps(self.detokenizer.prompt_entries(prompt_values.tolist(), prompt_rows.tolist())).encode()
-        return _chunk(request, delta.text, token_logprobs, finish_reason, prompt)
+        return _chunk(request, delta.text, token_logprobs, finish_reason, prompt, delta.stop_reason)
