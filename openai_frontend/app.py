@@ -30,6 +30,7 @@ from client import Prompt
 from contract.errors import STOPPING
 from openai_frontend.answer import Deadline, Generations, answer
 from openai_frontend.errors import APIError, ClientGone
+from openai_frontend.messages import NAMES as MESSAGES_NAMES, CountTokensRequest, MessageReply, MessagesRequest, answer_message
 from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.schemas import (
     PASSED, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, Strict,
@@ -44,6 +45,11 @@ Body = TypeVar("Body", bound=Strict)
 # The pipeline names the field at fault first in its messages; these are the names clients sent.
 SAMPLING_NAMES = {f.name: f.name for f in PASSED} | {"stop": "stop"}
 TOKEN_ROUTES = ("/tokenize", "/detokenize")  # vLLM's paths, without /v1; keys and drains guard them as /v1's
+MESSAGES_ROUTES = "/v1/messages"  # Anthropic's Messages API: its errors in Anthropic's shape
+
+
+def _anthropic(path: str) -> bool:
+    return path == MESSAGES_ROUTES or path.startswith(MESSAGES_ROUTES + "/")
 
 
 @dataclass(frozen=True)
@@ -98,11 +104,13 @@ class Gate:
             await send(message)
 
         keys, api = self.settings.api_keys, scope["path"].startswith("/v1") or scope["path"] in TOKEN_ROUTES
+        anthropic = _anthropic(scope["path"])
         if api and keys and not _authorized(Request(scope), keys):
-            error = APIError(401, "missing or invalid API key: send Authorization: Bearer <key>", code="invalid_api_key")
-            await error.response()(scope, receive, recording_send)
+            error = APIError(401, "missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>)",
+                             code="invalid_api_key")
+            await error.response(anthropic)(scope, receive, recording_send)
         elif self.drain.started and scope["method"] == "POST" and api:
-            await APIError(503, STOPPING, code="unavailable").response()(scope, receive, recording_send)
+            await APIError(503, STOPPING, code="unavailable").response(anthropic)(scope, receive, recording_send)
         else:
             self.metrics.in_flight.inc()
             self.drain.in_flight += 1
@@ -154,6 +162,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
     _serve_status(app, settings, readiness, metrics, drain)
     _serve_generations(app, settings, triton, metrics, drain)
     _serve_tokens(app, settings, triton)
+    _serve_messages(app, settings, triton, metrics, drain)
     return app
 
 
@@ -162,13 +171,14 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return error.response()
+        return error.response(_anthropic(request.url.path))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, error: Exception) -> JSONResponse:
         """A bug of ours still answers in OpenAI's shape (and is logged with its traceback)."""
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(error).__name__}: {error}", code="internal").response()
+        return APIError(500, f"internal error: {type(error).__name__}: {error}", code="internal").response(
+            _anthropic(request.url.path))
 
     @app.exception_handler(ClientGone)
     async def gone(request: Request, error: ClientGone) -> Response:
@@ -178,11 +188,12 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(404)
     async def not_found(request: Request, error: Exception) -> JSONResponse:
-        return APIError(404, f"no route {request.method} {request.url.path}").response()
+        return APIError(404, f"no route {request.method} {request.url.path}").response(_anthropic(request.url.path))
 
     @app.exception_handler(405)
     async def not_allowed(request: Request, error: Exception) -> JSONResponse:
-        return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response()
+        return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response(
+            _anthropic(request.url.path))
 
 
 def _serve_status(app: FastAPI, settings: Settings, readiness: Readiness, metrics: Metrics, drain: Drain) -> None:
@@ -264,9 +275,31 @@ def _serve_tokens(app: FastAPI, settings: Settings, triton: Triton) -> None:
         return DetokenizeResponse(prompt=text).model_dump()
 
 
+def _serve_messages(app: FastAPI, settings: Settings, triton: Triton, metrics: Metrics, drain: Drain) -> None:
+    """Anthropic's Messages API over the same pipeline (openai_frontend/messages.py)."""
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        deadline = Deadline(request, settings.request_timeout)
+        body = await _parse(request, MessagesRequest, settings, openai=False)
+        generations = Generations(triton, [[body.prompt()]], request, deadline, drain, MESSAGES_NAMES)
+        return await answer_message(generations, MessageReply(body, settings.model_name), metrics, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        body = await _parse(request, CountTokensRequest, settings, openai=False)
+        try:
+            ids = await triton.tokenize(body.prompt())
+        except PipelineError as e:
+            raise APIError.of(e, MESSAGES_NAMES) from None
+        return {"input_tokens": len(ids)}
+
+
 def _authorized(request: Request, keys: frozenset[str]) -> bool:
+    """``Authorization: Bearer <key>`` (OpenAI's) or ``x-api-key: <key>`` (Anthropic's)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
+    token = token if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+    return bool(token) and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
 
 def _union_member(part: str | int) -> bool:
     """pydantic names the member of a union a location went through (``str``, ``list[ContentPart]``)."""
@@ -277,8 +310,10 @@ def _check_model(model: str, settings: Settings) -> None:
         raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r} (GET /v1/models)",
                        "model", "model_not_found")
 
-async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Body]], settings: Settings) -> Body:
-    """The body as ``schema`` (or the schema ``schema`` picks for the body), or a 400 that names the field."""
+async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Body]], settings: Settings,
+                 openai: bool = True) -> Body:
+    """The body as ``schema`` (or the schema ``schema`` picks for the body), or a 400 that names the field.
+    ``openai``: OpenAI's fields this server does not do are refused by name, their off values dropped."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -291,7 +326,7 @@ async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Bo
     if not isinstance(schema, type):
         schema = schema(data)
     try:
-        body = schema.model_validate(without_unsupported(data))
+        body = schema.model_validate(without_unsupported(data) if openai else data)
         body.check()
     except FieldError as e:
         raise APIError(400, str(e), e.field, "unsupported_field" if isinstance(e, UnsupportedField) else None) from None

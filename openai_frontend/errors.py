@@ -15,6 +15,10 @@ STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500
 # OpenAI's: every client mistake is an invalid_request_error (the code says which), a failure of ours a
 # server_error; overload and a deadline keep names of their own, as vLLM's do.
 ERROR_TYPES = {503: "service_unavailable", 504: "timeout"}
+# Anthropic's error types by status (its Messages API, openai_frontend/messages.py).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -37,9 +41,14 @@ class APIError(Exception):
         kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return ErrorResponse(error=Error(message=str(self), type=kind, param=self.param, code=self.code)).model_dump()
 
-    def response(self) -> JSONResponse:
+    def anthropic(self) -> dict:
+        """The same error in Anthropic's shape."""
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": str(self)}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """OpenAI's error object, or Anthropic's (on its Messages API's routes)."""
         retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
-        return JSONResponse(self.body(), status_code=self.status, headers=retry)
+        return JSONResponse(self.anthropic() if anthropic else self.body(), status_code=self.status, headers=retry)
 
 
 class ClientGone(Exception):

@@ -222,3 +222,54 @@ def test_tokenize_and_detokenize_answer_every_body_with_their_reply_or_an_openai
         assert reply.json()["count"] == len(reply.json()["tokens"])
     else:
         assert isinstance(reply.json()["prompt"], str)
+
+
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.sampled_from(["t1", "t2"]), "name": st.sampled_from(["f", "g"]),
+                           "input": st.one_of(st.just({"a": 1}), JUNK)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.sampled_from(["t1", "t9"]),
+                           "content": st.one_of(TEXT, JUNK)}, optional={"is_error": st.one_of(st.booleans(), JUNK)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "thinking"]), "source": JUNK}),
+    JUNK,
+)
+ANTHROPIC_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": st.one_of(TEXT, st.lists(BLOCK, max_size=3))}),
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["system", "tool", "robot"]), JUNK), "content": st.one_of(TEXT, JUNK)}),
+    JUNK,
+)
+MESSAGES = st.fixed_dictionaries(
+    {"model": st.just("SmolLM2-135M-Instruct"), "max_tokens": MAX_TOKENS,
+     "messages": st.one_of(st.lists(ANTHROPIC_MESSAGE, max_size=4), JUNK)},
+    optional={
+        "system": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2), JUNK),
+        "stop_sequences": st.one_of(st.lists(st.text(max_size=6), max_size=12), JUNK), "stream": st.one_of(st.booleans(), JUNK),
+        "temperature": NUMBER, "top_p": NUMBER, "top_k": NUMBER,
+        "tools": st.one_of(st.lists(st.one_of(st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "x y"]), "input_schema": st.one_of(
+                st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}), JUNK)}),
+            st.fixed_dictionaries({"type": st.just("web_search_20250305"), "name": st.just("web_search")}), JUNK), max_size=2), JUNK),
+        "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none", "tool", "x"])},
+                                                       optional={"name": st.sampled_from(["f", "h"])}), JUNK),
+        "thinking": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive"])}), JUNK),
+        "metadata": st.one_of(st.fixed_dictionaries({"user_id": st.text(max_size=8)}), JUNK), "unknown_field": JUNK,
+    },
+)
+
+
+@FUZZ
+@given(body=MESSAGES, path=st.sampled_from(["messages", "messages/count_tokens"]))
+def test_the_messages_api_answers_every_body_with_a_message_or_an_anthropic_error(openai_frontend, llm_stubs, body, path):
+    reply = requests.post(f"{openai_frontend.url}/v1/{path}", data=json.dumps(body), timeout=120,
+                          headers={"Content-Type": "application/json"})
+    assert reply.status_code in (200, 400, 404), (reply.status_code, reply.text[:300])
+    if reply.status_code != 200:
+        data = reply.json()
+        assert data["type"] == "error" and set(data["error"]) == {"type", "message"} and len(data["error"]["message"]) > 8, data
+    elif reply.headers["content-type"].startswith("text/event-stream"):
+        events = [line.split(": ", 1)[1] for line in reply.text.splitlines() if line.startswith("event: ")]
+        assert events[0] == "message_start" and events[-1] in ("message_stop", "error"), events
+    elif path == "messages":
+        assert reply.json()["type"] == "message" and reply.json()["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+    else:
+        assert reply.json()["input_tokens"] > 0

@@ -424,6 +424,16 @@ def test_api_keys_guard_v1_and_leave_health_open(keyed_frontend, model):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_frontend.url}/v1", api_key="nope", max_retries=0).models.list()
     assert requests.get(f"{keyed_frontend.url}/health", timeout=30).status_code == 200
+    # Anthropic's client sends its key as x-api-key, and hears a refusal in Anthropic's shape.
+    import anthropic
+
+    turn = [{"role": "user", "content": "Hi"}]
+    claude = anthropic.Anthropic(base_url=keyed_frontend.url, api_key="key-two", max_retries=0)
+    assert claude.messages.count_tokens(model=model, messages=turn).input_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=keyed_frontend.url, api_key="nope", max_retries=0).messages.count_tokens(
+            model=model, messages=turn)
+    assert refused.value.body["error"]["type"] == "authentication_error"
     for path in ("tokenize", "detokenize"):  # vLLM's paths, outside /v1, guarded all the same
         body = {"prompt": "x"} if path == "tokenize" else {"tokens": [1]}
         assert requests.post(f"{keyed_frontend.url}/{path}", json=body, timeout=30).status_code == 401
