@@ -56,15 +56,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tritonserver whose Python stubs to watch (default: any on this host)")
     parser.add_argument("--max-model-len", type=int, default=int(env("MAX_MODEL_LEN", "0")) or model_context(env("MODEL_DIR")),
                         help="the model's context in tokens, which /tokenize reports (default: MODEL_DIR's config.json)")
+    parser.add_argument("--responses-store-size", type=int, default=int(env("RESPONSES_STORE_SIZE", "1000")),
+                        help="stored responses (/v1/responses with store) kept at most; 0 keeps none")
+    parser.add_argument("--responses-store-seconds", type=float, default=float(env("RESPONSES_STORE_SECONDS", "3600")),
+                        help="how long a stored response is kept")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not args.request_timeout > 0:
         parser.error("--request-timeout must be > 0")
+    if args.responses_store_size < 0 or not args.responses_store_seconds > 0:
+        parser.error("--responses-store-size (RESPONSES_STORE_SIZE) must be >= 0 and --responses-store-seconds > 0")
     if not 0 <= args.drain_timeout < float("inf"):
         parser.error("--drain-timeout (DRAIN_TIMEOUT) must be a number of seconds >= 0")
     settings = Settings(args.triton_url, args.model_name, args.request_timeout,
                         api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.drain_timeout,
-                        args.max_model_len)
+                        args.max_model_len, args.responses_store_size, args.responses_store_seconds)
     log = logging.getLogger("openai_frontend")
     log.info("OpenAI API for %r: waiting for Triton (gRPC %s) to be ready before answering on :%d",
              settings.model_name, settings.triton_url, args.port)

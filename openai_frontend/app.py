@@ -32,6 +32,7 @@ from openai_frontend.answer import Deadline, Generations, answer
 from openai_frontend.errors import APIError, ClientGone
 from openai_frontend.messages import NAMES as MESSAGES_NAMES, CountTokensRequest, MessageReply, MessagesRequest, answer_message
 from openai_frontend.replies import ChatReply, CompletionReply
+from openai_frontend.responses import ResponseReply, ResponsesRequest, Store, answer_response, conversation
 from openai_frontend.schemas import (
     PASSED, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, Strict,
     UnsupportedField, without_unsupported,
@@ -61,6 +62,8 @@ class Settings:
     triton_pid: int | None = None  # the tritonserver whose stubs to watch; None: any on this host
     drain_timeout: float = 30.0  # seconds a stop lets requests in flight finish (openai_frontend/shutdown.py)
     max_model_len: int | None = None  # the model's context, for /tokenize (openai_frontend/tokens.py)
+    responses_store_size: int = 1000  # stored responses kept at most (openai_frontend/responses.py)
+    responses_store_seconds: float = 3600.0  # and for how long
 
 
 class Metrics:
@@ -163,6 +166,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
     _serve_generations(app, settings, triton, metrics, drain)
     _serve_tokens(app, settings, triton)
     _serve_messages(app, settings, triton, metrics, drain)
+    _serve_responses(app, settings, triton, metrics, drain)
     return app
 
 
@@ -273,6 +277,36 @@ def _serve_tokens(app: FastAPI, settings: Settings, triton: Triton) -> None:
         except PipelineError as e:
             raise APIError.of(e, {"output_ids": "tokens"}) from None
         return DetokenizeResponse(prompt=text).model_dump()
+
+
+def _serve_responses(app: FastAPI, settings: Settings, triton: Triton, metrics: Metrics, drain: Drain) -> None:
+    """OpenAI's Responses API over the same pipeline, with its bounded store (openai_frontend/responses.py)."""
+    store = Store(settings.responses_store_size, settings.responses_store_seconds)
+    names = {**SAMPLING_NAMES, "messages": "input", "text_input": "input", "prompt": "input", "max_tokens": "max_output_tokens",
+             "structured_outputs": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
+
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        deadline = Deadline(request, settings.request_timeout)
+        body = await _parse(request, ResponsesRequest, settings, openai=False)
+        earlier = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
+        history = earlier + conversation(body.items())
+        turns = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+        prompt = Prompt(messages=turns, max_tokens=body.max_output_tokens, top_p=body.top_p, seed=body.seed,
+                        temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
+                        structured_outputs=body.structured(), **body.tool_fields())
+        generations = Generations(triton, [[prompt]], request, deadline, drain, names)
+        return await answer_response(generations, ResponseReply(body, settings.model_name), store, history, metrics,
+                                     "/v1/responses")
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict:
+        return store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def _serve_messages(app: FastAPI, settings: Settings, triton: Triton, metrics: Metrics, drain: Drain) -> None:
