@@ -273,3 +273,52 @@ def test_the_messages_api_answers_every_body_with_a_message_or_an_anthropic_erro
         assert reply.json()["type"] == "message" and reply.json()["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
     else:
         assert reply.json()["input_tokens"] > 0
+
+
+RESPONSE_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]), "content": st.one_of(
+        TEXT, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                              "text": TEXT}), max_size=2), JUNK)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]), "name": st.sampled_from(["f", "g"]),
+                           "arguments": st.one_of(st.just('{"a": 1}'), TEXT)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c9"]), "output": st.one_of(TEXT, JUNK)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call", "x"])}),
+    JUNK,
+)
+RESPONSES = st.fixed_dictionaries(
+    {"model": st.just("SmolLM2-135M-Instruct"), "input": st.one_of(TEXT, st.lists(RESPONSE_ITEM, max_size=4), JUNK),
+     "max_output_tokens": MAX_TOKENS},
+    optional={
+        "instructions": st.one_of(TEXT, JUNK), "temperature": NUMBER, "top_p": NUMBER, "seed": NUMBER,
+        "stream": st.one_of(st.booleans(), JUNK), "store": st.one_of(st.booleans(), JUNK),
+        "previous_response_id": st.one_of(st.just("resp_missing"), JUNK),
+        "tools": st.one_of(st.lists(st.one_of(st.fixed_dictionaries(
+            {"type": st.just("function"), "name": st.sampled_from(["f", "g", "x y"]), "parameters": st.one_of(
+                st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}), JUNK)}),
+            st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_search"])}), JUNK), max_size=2), JUNK),
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                                 st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "h"])}), JUNK),
+        "parallel_tool_calls": st.one_of(st.booleans(), JUNK),
+        "text": st.one_of(st.fixed_dictionaries({"format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}),
+                          st.fixed_dictionaries({"type": st.just("json_schema"), "name": st.just("x"), "schema": st.one_of(
+                              st.just({"type": "object", "properties": {"a": {"type": "integer"}}}), JUNK)}), JUNK)}), JUNK),
+        "background": st.one_of(st.booleans(), JUNK), "include": st.one_of(st.lists(st.text(max_size=8), max_size=2), JUNK),
+        "metadata": st.one_of(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2), JUNK), "unknown_field": JUNK,
+    },
+)
+
+
+@FUZZ
+@given(body=RESPONSES)
+def test_the_responses_api_answers_every_body_with_a_response_or_an_openai_error(openai_frontend, llm_stubs, body):
+    reply = requests.post(f"{openai_frontend.url}/v1/responses", data=json.dumps(body), timeout=120,
+                          headers={"Content-Type": "application/json"})
+    assert reply.status_code in (200, 400, 404), (reply.status_code, reply.text[:300])
+    if reply.status_code != 200:
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and len(error["message"]) > 8, error
+    elif reply.headers["content-type"].startswith("text/event-stream"):
+        events = [line.split(": ", 1)[1] for line in reply.text.splitlines() if line.startswith("event: ")]
+        assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete", "error"), events
+    else:
+        assert reply.json()["object"] == "response" and reply.json()["status"] in ("completed", "incomplete")
