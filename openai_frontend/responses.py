@@ -29,7 +29,6 @@ from typing import Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 
-from client import Prompt
 from contract.tools import ToolCallParser
 from openai_frontend.answer import Generations
 from openai_frontend.errors import APIError, ClientGone
