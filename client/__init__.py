@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import queue
 from dataclasses import dataclass, field, make_dataclass
+from functools import partial
 from typing import Iterator
 
 import numpy as np
@@ -59,13 +60,17 @@ class Chunk:
     stop_reason: str = ""  # in the last chunk: the stop string that ended the reply, if one did
 
 
+def infer_input(lib, name: str, value: np.ndarray, datatype: str):
+    """One ``InferInput`` holding ``value``, with ``lib`` = tritonclient.http or tritonclient.grpc."""
+    t = lib.InferInput(name, list(value.shape), datatype)
+    t.set_data_from_numpy(value)
+    return t
+
+
 def build_inputs(lib, prompt: Prompt, stream: bool | None = None) -> list:
     """``InferInput`` tensors for ``prompt`` with ``lib`` = tritonclient.http or tritonclient.grpc."""
 
-    def tensor(name: str, value: np.ndarray, datatype: str):
-        t = lib.InferInput(name, list(value.shape), datatype)
-        t.set_data_from_numpy(value)
-        return t
+    tensor = partial(infer_input, lib)
 
     def text(values: list[str]) -> np.ndarray:
         return np.array([[v.encode() for v in values]], dtype=np.object_).reshape(1, len(values))

@@ -141,7 +141,8 @@ async def answer(generations: Generations, reply: Reply, metrics, route: str) ->
     return await _whole(generations, reply, early, metrics)
 
 
-def _counted(generations: Generations, metrics) -> Usage:
+def counted(generations: Generations, metrics) -> Usage:
+    """A finished request's usage, counted once in the front end's metrics (every API's replies)."""
     usage = generations.usage()
     metrics.prompt_tokens.inc(usage.prompt_tokens)
     metrics.completion_tokens.inc(usage.completion_tokens)
@@ -164,7 +165,7 @@ async def _whole(generations: Generations, reply: Reply, early: list[tuple[int, 
             pending = [await generations.next()]
     finally:
         await generations.close()
-    return JSONResponse(reply.whole(list(zip(texts, reasons, logprobs)), _counted(generations, metrics)))
+    return JSONResponse(reply.whole(list(zip(texts, reasons, logprobs)), counted(generations, metrics)))
 
 
 async def _events(generations: Generations, reply: Reply, early: list[tuple[int, Chunk]], metrics,
@@ -183,7 +184,7 @@ async def _events(generations: Generations, reply: Reply, early: list[tuple[int,
             if generations.done:
                 break
             pending = [await generations.next()]
-        usage = _counted(generations, metrics)
+        usage = counted(generations, metrics)
         if reply.body.include_usage:
             yield _sse(reply.usage_chunk(usage))
     except APIError as e:

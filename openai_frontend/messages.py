@@ -26,9 +26,9 @@ from pydantic import BaseModel, Field, model_validator
 
 from client import Chunk, Prompt
 from contract.tools import ToolCallParser
-from openai_frontend.answer import Generations
+from openai_frontend.answer import Generations, counted
 from openai_frontend.errors import APIError, ClientGone
-from openai_frontend.schemas import FieldError, Strict, UnsupportedField
+from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage as OpenAIUsage
 
 log = logging.getLogger("openai_frontend")
 STOP_REASONS = {"length": "max_tokens"}  # and stop: end_turn, stop_sequence or tool_use (MessageReply.stop_reason)
@@ -184,9 +184,10 @@ class Usage(BaseModel):
     cache_read_input_tokens: int = 0
 
 
-def usage(generations: Generations) -> Usage:
-    prompt, cached = generations.prompt_tokens[0], generations.cached_tokens[0]
-    return Usage(input_tokens=prompt - cached, output_tokens=generations.completion_tokens[0], cache_read_input_tokens=cached)
+def usage(used: OpenAIUsage) -> Usage:
+    """OpenAI's usage as Anthropic counts it: the cached prompt tokens apart from the rest."""
+    cached = used.prompt_tokens_details.cached_tokens
+    return Usage(input_tokens=used.prompt_tokens - cached, output_tokens=used.completion_tokens, cache_read_input_tokens=cached)
 
 
 class MessageReply:
@@ -250,14 +251,7 @@ async def answer_message(generations: Generations, reply: MessageReply, metrics,
             pending = [await generations.next()]
     finally:
         await generations.close()
-    return JSONResponse(reply.whole(text, finish_reason, _counted(generations, metrics)))
-
-
-def _counted(generations: Generations, metrics) -> Usage:
-    used = usage(generations)
-    metrics.prompt_tokens.inc(used.input_tokens + used.cache_read_input_tokens)
-    metrics.completion_tokens.inc(used.output_tokens)
-    return used
+    return JSONResponse(reply.whole(text, finish_reason, usage(counted(generations, metrics))))
 
 
 def _event(kind: str, data: dict) -> bytes:
@@ -269,7 +263,7 @@ async def _events(generations: Generations, reply: MessageReply, early: list, me
     (stop_reason, output tokens), message_stop; a failure after the first byte is an ``error`` event."""
     block, kind, finish_reason = -1, None, ""  # the open content block's index and type
     try:
-        yield _event("message_start", {"message": reply.header([], None, usage(generations))})
+        yield _event("message_start", {"message": reply.header([], None, usage(generations.usage()))})
         pending = early
         while True:
             for _, piece in pending:
@@ -298,7 +292,7 @@ async def _events(generations: Generations, reply: MessageReply, early: list, me
             pending = [await generations.next()]
         if kind is not None:
             yield _event("content_block_stop", {"index": block})
-        used = _counted(generations, metrics)
+        used = usage(counted(generations, metrics))
         stop_reason = reply.stop_reason(finish_reason)
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": reply.header(
             [], stop_reason, used)["stop_sequence"]}, "usage": {"output_tokens": used.output_tokens}})

@@ -30,9 +30,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 
 from contract.tools import ToolCallParser
-from openai_frontend.answer import Generations
+from openai_frontend.answer import Generations, counted
 from openai_frontend.errors import APIError, ClientGone
-from openai_frontend.schemas import FieldError, Strict, UnsupportedField
+from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage
 
 log = logging.getLogger("openai_frontend")
 
@@ -279,17 +279,11 @@ class ResponseReply:
         return "incomplete" if self.finish_reason == "length" else "completed"
 
 
-def usage(generations: Generations) -> dict:
-    prompt, completion = generations.prompt_tokens[0], generations.completion_tokens[0]
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": generations.cached_tokens[0]},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
-
-
-def _counted(generations: Generations, metrics) -> dict:
-    used = usage(generations)
-    metrics.prompt_tokens.inc(used["input_tokens"])
-    metrics.completion_tokens.inc(used["output_tokens"])
-    return used
+def usage(used: Usage) -> dict:
+    """Chat's usage in the Responses API's names."""
+    return {"input_tokens": used.prompt_tokens, "input_tokens_details": {"cached_tokens": used.prompt_tokens_details.cached_tokens},
+            "output_tokens": used.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": used.total_tokens}
 
 
 async def answer_response(generations: Generations, reply: ResponseReply, store: Store, turns: list[dict], metrics,
@@ -312,7 +306,7 @@ async def answer_response(generations: Generations, reply: ResponseReply, store:
             pending = [await generations.next()]
     finally:
         await generations.close()
-    response = reply.response(reply.status, reply.output(), _counted(generations, metrics))
+    response = reply.response(reply.status, reply.output(), usage(counted(generations, metrics)))
     _store(store, reply, response, turns)
     return JSONResponse(response)
 
@@ -381,7 +375,7 @@ async def _events(generations: Generations, reply: ResponseReply, early: list, s
             _call_done(event, reply, items, calls_done) if reply.parser and calls_done < len(reply.parser.calls) else [])
         for data in done:
             yield data
-        response = reply.response(reply.status, reply.output(), _counted(generations, metrics))
+        response = reply.response(reply.status, reply.output(), usage(counted(generations, metrics)))
         _store(store, reply, response, turns)
         yield event("response.completed" if reply.status == "completed" else "response.incomplete", response=response)
     except APIError as e:

@@ -16,13 +16,14 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
+from functools import partial
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
-from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of
+from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of, infer_input
 from contract.errors import classify
 from contract.schema import request_fields
 from triton_glue.stubs import DeathWatch
@@ -140,11 +141,7 @@ class Triton:
         raise AssertionError("unreachable")
 
     async def _decode(self, ids: list[int], fingerprint: str) -> str:
-        def tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
-            t = grpcclient.InferInput(name, list(value.shape), datatype)
-            t.set_data_from_numpy(value)
-            return t
-
+        tensor = partial(infer_input, grpcclient)
         count = np.array([[len(ids)]], dtype=np.int32)
         inputs = [tensor("output_ids", np.array([ids], dtype=np.int32), "INT32"),
                   tensor("sent_tokens", np.zeros((1, 1), dtype=np.int32), "INT32"),
