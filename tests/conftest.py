@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from enum import Enum
 from pathlib import Path
 
 import pytest
 import requests
+from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from client import ChatClient
@@ -19,6 +21,25 @@ from launcher.repository import repository_variant
 from launcher.triton import TritonServer
 
 ADMIN_KEY = "test-admin-key"
+
+
+class Unit(str, Enum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+class Weather(BaseModel):
+    """The weather in a city (its schema has $defs, as pydantic writes an enum's): the tool the API suites call."""
+
+    city: str
+    unit: Unit
+
+
+class Colour(BaseModel):
+    """A typed output the API suites ask for."""
+
+    name: str
+    warm: bool
 
 
 class Letters:

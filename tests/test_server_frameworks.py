@@ -5,30 +5,12 @@ Each asserts the mechanism: valid calls, the tool's result reaching the model, o
 
 from __future__ import annotations
 
-from enum import Enum
-
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from pydantic import BaseModel
+
+from conftest import Colour, Weather
 
 QUESTION = "What is the weather in Paris?"
-
-
-class Unit(str, Enum):
-    CELSIUS = "celsius"
-    FAHRENHEIT = "fahrenheit"
-
-
-class Weather(BaseModel):
-    """The weather in a city."""
-
-    city: str
-    unit: Unit
-
-
-class Colour(BaseModel):
-    name: str
-    warm: bool
 
 
 @pytest.fixture(scope="module")

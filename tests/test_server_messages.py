@@ -4,29 +4,14 @@ Anthropic's shape that name the field. Properties only: never what the 135M mode
 
 from __future__ import annotations
 
-from enum import Enum
-
 import anthropic
 import pytest
 import requests
-from pydantic import BaseModel
+
+from conftest import Weather
 
 STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 GREEDY = {"extra_body": {"temperature": 0.0}}  # the SDK's create has no sampling fields; older clients send them
-
-
-class Unit(str, Enum):
-    CELSIUS = "celsius"
-    FAHRENHEIT = "fahrenheit"
-
-
-class Weather(BaseModel):
-    """The weather in a city (its schema has $defs, as pydantic writes an enum's)."""
-
-    city: str
-    unit: Unit
-
-
 WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city", "input_schema": Weather.model_json_schema()}
 
 

@@ -5,30 +5,14 @@ field. Properties only: never what the 135M model happens to say."""
 
 from __future__ import annotations
 
-from enum import Enum
-
 import openai
 import pytest
 import requests
-from pydantic import BaseModel
+
+from conftest import Colour, Weather
 
 GREEDY = {"temperature": 0.0}
 STORY = "Tell me a short story about a lighthouse keeper."
-
-
-class Unit(str, Enum):
-    CELSIUS = "celsius"
-    FAHRENHEIT = "fahrenheit"
-
-
-class Weather(BaseModel):
-    city: str
-    unit: Unit
-
-
-class Colour(BaseModel):
-    name: str
-    warm: bool
 
 
 @pytest.fixture(scope="module")
