@@ -216,9 +216,13 @@ class MessageReply:
             return "tool_use"
         return "stop_sequence" if self.stop_sequence else "end_turn"
 
+    def matched(self, stop_reason: str | None) -> str | None:
+        """The stop string a ``stop_sequence`` reply ended at; None for any other."""
+        return self.stop_sequence if stop_reason == "stop_sequence" else None
+
     def header(self, content: list[dict], stop_reason: str | None, used: Usage) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": self.stop_sequence if stop_reason == "stop_sequence" else None,
+                "stop_reason": stop_reason, "stop_sequence": self.matched(stop_reason),
                 "usage": used.model_dump()}
 
     def whole(self, text: str, finish_reason: str, used: Usage) -> dict:
@@ -294,8 +298,8 @@ async def _events(generations: Generations, reply: MessageReply, early: list, me
             yield _event("content_block_stop", {"index": block})
         used = usage(counted(generations, metrics))
         stop_reason = reply.stop_reason(finish_reason)
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": reply.header(
-            [], stop_reason, used)["stop_sequence"]}, "usage": {"output_tokens": used.output_tokens}})
+        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": reply.matched(stop_reason)},
+                                       "usage": {"output_tokens": used.output_tokens}})
         yield _event("message_stop", {})
     except APIError as e:
         yield _event("error", {"error": e.anthropic()["error"]})
