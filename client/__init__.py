@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import queue
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from functools import partial
 from typing import Iterator
 
@@ -20,6 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from contract.reasoning import Splitter
 from contract.schema import REQUEST, RESPONSE
 
 STREAM_MODEL = "ensemble"
@@ -58,6 +59,8 @@ class Chunk:
     prompt_token_logprobs: list[dict] | None = None  # with prompt_logprobs, in the first chunk: the prompt's tokens
     cached_tokens: int = 0  # of prompt_tokens, those found in the prefix cache
     stop_reason: str = ""  # in the last chunk: the stop string that ended the reply, if one did
+    reasoning_state: str = ""  # where a thinking model's reply began (contract/reasoning.py); empty for other models
+    reasoning_output: str = ""  # once split (``reasoned``): the thinking this chunk adds, taken out of text_output
 
 
 def infer_input(lib, name: str, value: np.ndarray, datatype: str):
@@ -104,7 +107,15 @@ def chunk_of(result) -> Chunk:
         value("text_output").decode("utf-8"), int(value("completion_tokens")), int(value("prompt_tokens")),
         value("finish_reason").decode("utf-8"), parse_logprobs(value("token_logprobs")),
         parse_logprobs(value("prompt_token_logprobs")), int(value("cached_tokens")), value("stop_reason").decode("utf-8"),
+        value("reasoning_state").decode("utf-8"),
     )
+
+
+def reasoned(chunk: Chunk, splitter: Splitter) -> Chunk:
+    """``chunk`` with a thinking model's thinking moved from ``text_output`` to ``reasoning_output``; one
+    ``splitter`` per reply, fed every chunk in order (a chunk that is the whole reply: a fresh one)."""
+    reasoning, content = splitter.feed(chunk.text_output, chunk.reasoning_state, bool(chunk.finish_reason))
+    return replace(chunk, text_output=content, reasoning_output=reasoning)
 
 
 class ChatClient:
@@ -125,11 +136,19 @@ class ChatClient:
         """The whole reply; a server-side error raises ``tritonclient.utils.InferenceServerException``."""
         outputs = [self.lib.InferRequestedOutput(name) for name in OUTPUTS]
         timeout = {"client_timeout": self.timeout} if self.protocol == "grpc" else {}
-        return chunk_of(self.client.infer(INFER_MODEL, build_inputs(self.lib, prompt), outputs=outputs, **timeout))
+        result = self.client.infer(INFER_MODEL, build_inputs(self.lib, prompt), outputs=outputs, **timeout)
+        return reasoned(chunk_of(result), Splitter())
 
     def stream(self, prompt: Prompt) -> Iterator[Chunk]:
-        """Text chunks as tokens are generated, the last one with its finish_reason."""
-        return self._stream_http(prompt) if self.protocol == "http" else self._stream_grpc(prompt)
+        """Text chunks as tokens are generated, the last one with its finish_reason (a thinking model's
+        thinking in reasoning_output)."""
+        chunks = self._stream_http(prompt) if self.protocol == "http" else self._stream_grpc(prompt)
+        splitter = Splitter()
+        try:
+            for chunk in chunks:
+                yield reasoned(chunk, splitter)
+        finally:
+            chunks.close()  # a consumer that stops early ends the stream
 
     def _stream_http(self, prompt: Prompt) -> Iterator[Chunk]:
         url = f"http://{self.url}/v2/models/{STREAM_MODEL}/generate_stream"
@@ -142,7 +161,7 @@ class ChatClient:
                     raise InferenceServerException(data["error"], status=str(reply.status_code))
                 yield Chunk(data["text_output"], data["completion_tokens"], data["prompt_tokens"], data["finish_reason"],
                             parse_logprobs(data["token_logprobs"]), parse_logprobs(data["prompt_token_logprobs"]),
-                            data["cached_tokens"], data["stop_reason"])
+                            data["cached_tokens"], data["stop_reason"], data["reasoning_state"])
             if reply.status_code != 200:
                 raise InferenceServerException(reply.text, status=str(reply.status_code))
 

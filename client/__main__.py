@@ -44,9 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     client = ChatClient(args.url, args.protocol)
     try:
         if args.no_stream:
-            print(client.generate(prompt).text_output)
+            reply = client.generate(prompt)
+            if reply.reasoning_output:
+                print(reply.reasoning_output, file=sys.stderr)
+            print(reply.text_output)
         else:
-            for chunk in client.stream(prompt):
+            for chunk in client.stream(prompt):  # a thinking model's thinking to stderr, its answer to stdout
+                print(chunk.reasoning_output, end="", flush=True, file=sys.stderr)
                 print(chunk.text_output, end="", flush=True)
             print()
     except InferenceServerException as e:

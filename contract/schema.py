@@ -163,6 +163,9 @@ REQUEST = (
           "required and a name are enforced by a grammar"),
     Field("parallel_tool_calls", "TYPE_BOOL", to=PRE, default=True,
           help="with tools: false allows at most one call per reply"),
+    Field("chat_template_kwargs", "TYPE_STRING", to=PRE, json=dict, openai=True, help="vLLM's: a JSON object of "
+          'extra variables for the chat template, e.g. {"enable_thinking": false} for a thinking model\'s (Qwen3, '
+          "SmolLM3); names the template call itself takes (messages, tools, add_generation_prompt, ...) are refused"),
     Field("ignore_eos", "TYPE_BOOL", to=LLM, default=False, openai=True,
           help="true generates exactly max_tokens tokens, past the end-of-turn token (benchmarks and load tests)"),
     Field("cache_salt", "TYPE_STRING", to=LLM, openai=True, help="vLLM's: only requests with the same salt share "
@@ -195,6 +198,10 @@ RESPONSE = (
           'this response shows, each {"token", "bytes", "logprob", "top_logprobs"} (OpenAI\'s chat shape); empty otherwise'),
     Field("prompt_token_logprobs", "TYPE_STRING", optional=False, help="with prompt_logprobs, in the first response: "
           'the same items for every prompt token (after the chat template), the first with "logprob": null; empty otherwise'),
+    Field("reasoning_state", "TYPE_STRING", optional=False, help="for a chat template whose model thinks in "
+          "`<think>...</think>`, where the reply began: inside (the prompt opened the block) or outside (the reply may open "
+          "one); empty for any other (a template that never thinks, apply_chat_template=false). text_output is what "
+          "the model wrote, thinking included: contract/reasoning.py splits it (the client, the OpenAI front end)"),
 )
 
 # preprocess -> llm.
@@ -204,6 +211,8 @@ PREPROCESS_OUTPUTS = (
           "postprocess refuse ids from a tokenizer they do not share"),
     Field("structured_outputs", "TYPE_STRING", json=dict, optional=False, help="what the reply must follow, as the "
           "request field: the request's own, or the grammar of the tool calls it asks for; JSON null when free"),
+    Field("reasoning_state", "TYPE_STRING", optional=False, help="where the reply begins, as the response field: "
+          "decided here, where the prompt is rendered"),
 )
 
 # llm -> postprocess. ``optional``: postprocess may go without it.
@@ -230,6 +239,7 @@ LLM_OUTPUTS = (
     Field("input_logprobs", "TYPE_FP32", (-1, -1), help="with prompt_logprobs, in the first response: a row per "
           "prompt token, its log-probability (NaN for the first) then its alternatives' ..."),
     Field("input_logprob_ids", "TYPE_INT32", (-1, -1), help="... and its id, then theirs. No rows otherwise"),
+    Field("reasoning_state", "TYPE_STRING", help="preprocess's, handed on for the response"),
 )
 
 
@@ -239,9 +249,10 @@ def request_fields(model: str) -> tuple[Field, ...]:
 
 
 def llm_fields() -> tuple[Field, ...]:
-    """What llm reads besides the prompt's ids and the fingerprint: its request fields, and from
+    """What llm reads besides the prompt's ids, the fingerprint and the reasoning state (which it only
+    hands on to postprocess): its request fields, and from
     preprocess the structured outputs (the request's, or the tool calls' grammar)."""
-    return request_fields("llm") + PREPROCESS_OUTPUTS[2:]
+    return request_fields("llm") + PREPROCESS_OUTPUTS[2:3]
 
 
 class FinishReason(str, Enum):

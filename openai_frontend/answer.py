@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from client import Chunk, Prompt
 from contract.errors import UNAVAILABLE
 from openai_frontend.errors import APIError, ClientGone
-from openai_frontend.replies import Reply
+from openai_frontend.replies import Choice, Reply
 from openai_frontend.schemas import Usage
 from openai_frontend.shutdown import Drain
 from openai_frontend.triton import PipelineError, Triton
@@ -150,22 +150,18 @@ def counted(generations: Generations, metrics) -> Usage:
 
 
 async def _whole(generations: Generations, reply: Reply, early: list[tuple[int, Chunk]], metrics) -> Response:
-    count = generations.count
-    texts, reasons, logprobs = [""] * count, [""] * count, [None] * count
+    choices = [Choice() for _ in range(generations.count)]
     try:
         pending = early
         while True:
             for index, piece in pending:
-                texts[index] += piece.text_output
-                reasons[index] = piece.finish_reason
-                if piece.token_logprobs is not None:  # after the prompt's, when echoed (the first piece)
-                    logprobs[index] = (logprobs[index] or []) + (piece.prompt_token_logprobs or []) + piece.token_logprobs
+                choices[index].add(piece)
             if generations.done:
                 break
             pending = [await generations.next()]
     finally:
         await generations.close()
-    return JSONResponse(reply.whole(list(zip(texts, reasons, logprobs)), counted(generations, metrics)))
+    return JSONResponse(reply.whole(choices, counted(generations, metrics)))
 
 
 async def _events(generations: Generations, reply: Reply, early: list[tuple[int, Chunk]], metrics,

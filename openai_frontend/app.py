@@ -262,7 +262,7 @@ def _serve_tokens(app: FastAPI, settings: Settings, triton: Triton) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await _parse(request, tokenize_schema, settings)
-        names = {"text_input": "prompt", "messages": "messages", "tools": "tools"}
+        names = {"text_input": "prompt", "messages": "messages", "tools": "tools", "chat_template_kwargs": "chat_template_kwargs"}
         try:
             ids = await triton.tokenize(body.prompt_of())
         except PipelineError as e:

@@ -6,9 +6,12 @@ chat template, ``tool_use`` and ``tool_result`` blocks as the template's tool ca
 as function tools), and the reply comes back in Anthropic's shapes: content blocks, ``stop_reason``
 (``end_turn``, ``max_tokens``, ``stop_sequence`` with the string, ``tool_use``), usage with the prefix
 cache's tokens as ``cache_read_input_tokens``, Anthropic's event sequence when streamed, and errors in
-Anthropic's error object. Fields this server does not serve are refused by name (extended ``thinking``,
-image and document blocks, server tools, a final assistant turn to continue); ``cache_control`` marks
-are accepted and need nothing: the prefix cache finds repeated prefixes by itself.
+Anthropic's error object. A thinking model's thinking (contract/reasoning.py) is a ``thinking`` block
+before the answer, and ``thinking`` ``enabled`` or ``disabled`` reaches the chat template as its
+``enable_thinking`` (Qwen3's and SmolLM3's switch); thinking blocks sent back in assistant turns are
+dropped, as those templates drop earlier turns' thinking. Fields this server does not serve are refused by
+name (image and document blocks, server tools, a final assistant turn to continue); ``cache_control``
+marks are accepted and need nothing: the prefix cache finds repeated prefixes by itself.
 """
 
 from __future__ import annotations
@@ -61,7 +64,23 @@ class ToolResultBlock(Strict):
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(Strict):
+    """An earlier reply's thinking, sent back (as the SDK does in a tool loop): dropped, as thinking
+    templates drop earlier turns' thinking. Its signature is not checked: this server signs nothing."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
+THINKING = (ThinkingBlock, RedactedThinkingBlock)
 
 
 class InputMessage(Strict):
@@ -82,8 +101,9 @@ class InputMessage(Strict):
             return [{"role": "assistant", "content": text} | ({"tool_calls": [
                 {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                 for b in calls]} if calls else {})]
-        if calls:
-            raise FieldError(f"messages.{i}.content", f"messages.{i}.content: tool_use blocks belong in an assistant turn")
+        if calls or any(isinstance(b, THINKING) for b in self.content):
+            raise FieldError(f"messages.{i}.content", f"messages.{i}.content: tool_use and thinking blocks belong in an "
+                             "assistant turn")
         turns = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in results]
         return turns + ([{"role": "user", "content": text}] if text or not results else [])
 
@@ -108,6 +128,17 @@ class CustomTool(Strict):
                 | ({"description": self.description} if self.description else {})}
 
 
+class ThinkingConfig(Strict):
+    type: Literal["enabled", "disabled"]
+    # Below max_tokens, as Anthropic's, which bounds thinking and answer together (no budget of its own here;
+    # Anthropic's least budget, 1024, is not asked: this server's max_tokens limit may be below it).
+    budget_tokens: int | None = Field(None, ge=1)
+
+    def check(self) -> None:
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise FieldError("thinking.budget_tokens", "thinking.budget_tokens is required with type enabled, and only then")
+
+
 class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -120,13 +151,12 @@ class CountTokensRequest(Strict):
     system: str | list[TextBlock] | None = None
     tools: list[CustomTool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict | None = None  # only {"type": "disabled"}
+    thinking: ThinkingConfig | None = None
     cache_control: dict | None = None  # accepted: the prefix cache needs no marks
 
     def check(self) -> None:
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise UnsupportedField("thinking", "extended thinking is not supported by this server; send "
-                                   '{"type": "disabled"} or leave it out')
+        if self.thinking is not None:
+            self.thinking.check()
         if self.messages[-1].role == "assistant":
             raise UnsupportedField(f"messages.{len(self.messages) - 1}.role", "a final assistant turn (a prefill to "
                                    "continue) is not supported by this server; end with a user turn")
@@ -151,7 +181,8 @@ class CountTokensRequest(Strict):
                 else not choice.disable_parallel_tool_use}
 
     def prompt(self, **fields) -> Prompt:
-        return Prompt(messages=self.conversation(), **self.tool_fields(), **fields)
+        switch = None if self.thinking is None else {"enable_thinking": self.thinking.type == "enabled"}
+        return Prompt(messages=self.conversation(), chat_template_kwargs=switch, **self.tool_fields(), **fields)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -164,6 +195,12 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict | None = None  # user_id: accepted and ignored, as OpenAI's user
     service_tier: Literal["auto", "standard_only"] | None = None
 
+    def check(self) -> None:
+        super().check()
+        if self.thinking is not None and self.thinking.budget_tokens is not None and self.thinking.budget_tokens >= self.max_tokens:
+            raise FieldError("thinking.budget_tokens", f"thinking.budget_tokens ({self.thinking.budget_tokens}) must be "
+                             f"below max_tokens ({self.max_tokens})")
+
     def prompt(self) -> Prompt:
         return super().prompt(max_tokens=self.max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences or [])
@@ -174,7 +211,8 @@ class MessagesRequest(CountTokensRequest):
 
 
 NAMES = {"text_input": "messages", "messages": "messages", "max_tokens": "max_tokens", "temperature": "temperature",
-         "top_p": "top_p", "top_k": "top_k", "stop": "stop_sequences", "tools": "tools", "tool_choice": "tool_choice"}
+         "top_p": "top_p", "top_k": "top_k", "stop": "stop_sequences", "tools": "tools", "tool_choice": "tool_choice",
+         "chat_template_kwargs": "thinking"}
 
 
 class Usage(BaseModel):
@@ -198,11 +236,13 @@ class MessageReply:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.parser = ToolCallParser() if body.calls_tools else None
         self.stop_sequence: str | None = None
+        self.thinking = ""
 
     def read(self, piece: Chunk) -> tuple[str, list[dict]]:
-        """The new text and call fragments (OpenAI's delta shape) of a piece."""
+        """The new text and call fragments (OpenAI's delta shape) of a piece; its thinking is added to ``thinking``."""
         if piece.stop_reason:
             self.stop_sequence = piece.stop_reason
+        self.thinking += piece.reasoning_output
         if self.parser is None:
             return piece.text_output, []
         return self.parser.feed(piece.text_output, final=bool(piece.finish_reason))
@@ -226,7 +266,8 @@ class MessageReply:
                 "usage": used.model_dump()}
 
     def whole(self, text: str, finish_reason: str, used: Usage) -> dict:
-        content = [{"type": "text", "text": text}] if text else []
+        content = [{"type": "thinking", "thinking": self.thinking, "signature": ""}] if self.thinking else []
+        content += [{"type": "text", "text": text}] if text else []
         for call in self.parser.calls if self.parser else []:
             try:
                 arguments = json.loads(call["function"]["arguments"])
@@ -272,6 +313,13 @@ async def _events(generations: Generations, reply: MessageReply, early: list, me
         while True:
             for _, piece in pending:
                 text, calls = reply.read(piece)
+                if piece.reasoning_output:  # before any text or call: the thinking comes first
+                    if kind != "thinking":
+                        block, kind = block + 1, "thinking"
+                        yield _event("content_block_start", {"index": block, "content_block": {
+                            "type": "thinking", "thinking": "", "signature": ""}})
+                    yield _event("content_block_delta", {"index": block, "delta": {
+                        "type": "thinking_delta", "thinking": piece.reasoning_output}})
                 if text:
                     if kind != "text":
                         if kind is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from client import Chunk
 from contract.tools import ToolCallParser
@@ -11,6 +12,23 @@ from openai_frontend.schemas import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
     ChatMessage, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, GenerationFields, Usage,
 )
+
+
+@dataclass
+class Choice:
+    """One generation, whole: its answer, its thinking (a thinking model's), why it ended, its tokens' logprobs."""
+
+    text: str = ""
+    reasoning: str = ""
+    finish_reason: str = ""
+    logprobs: list[dict] | None = None
+
+    def add(self, piece: Chunk) -> None:
+        self.text += piece.text_output
+        self.reasoning += piece.reasoning_output
+        self.finish_reason = piece.finish_reason
+        if piece.token_logprobs is not None:  # after the prompt's, when echoed (the first piece)
+            self.logprobs = (self.logprobs or []) + (piece.prompt_token_logprobs or []) + piece.token_logprobs
 
 
 class Reply:
@@ -25,7 +43,7 @@ class Reply:
     def chunk(self, index: int, piece: Chunk, first: bool) -> dict | None:
         """The chunk a piece makes, or None when it shows nothing yet."""
 
-    def whole(self, choices: list[tuple[str, str, list[dict] | None]], usage: Usage) -> dict: ...
+    def whole(self, choices: list[Choice], usage: Usage) -> dict: ...
 
     def usage_chunk(self, usage: Usage) -> dict: ...
 
@@ -50,10 +68,11 @@ class ChatReply(Reply):
 
     def chunk(self, index: int, piece: Chunk, first: bool) -> dict | None:
         content, calls, reason = self._read(index, piece.text_output, piece.finish_reason)
-        if not (first or content or calls or reason or piece.token_logprobs):
+        thinking = piece.reasoning_output or None
+        if not (first or content or calls or reason or piece.token_logprobs or thinking):
             return None  # text held back: it may be the start of a tool call
         delta = ChatDelta(role="assistant" if first else None, content=content or self._empty(index, first, reason),
-                          tool_calls=calls or None)
+                          reasoning_content=thinking, tool_calls=calls or None)
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(piece.token_logprobs),
                                  finish_reason=reason or None)
         data = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]).model_dump(
@@ -73,17 +92,19 @@ class ChatReply(Reply):
 
     def whole(self, choices, usage):
         data = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            self._choice(i, text, reason, items) for i, (text, reason, items) in enumerate(choices)]).model_dump()
+            self._choice(i, choice) for i, choice in enumerate(choices)]).model_dump()
         for choice in data["choices"]:
-            if choice["message"]["tool_calls"] is None:
-                del choice["message"]["tool_calls"]  # OpenAI sends it only when there are calls
+            for name in ("tool_calls", "reasoning_content"):  # sent only when the reply has them, as OpenAI and vLLM do
+                if choice["message"][name] is None:
+                    del choice["message"][name]
         return data
 
-    def _choice(self, index: int, text: str, reason: str, items: list[dict] | None) -> ChatChoice:
-        content, _, reason = self._read(index, text, reason)
+    def _choice(self, index: int, choice: Choice) -> ChatChoice:
+        content, _, reason = self._read(index, choice.text, choice.finish_reason)
         calls = self.parsers[index].calls if index in self.parsers else []
-        message = ChatMessage(content=None if calls and not content else content, tool_calls=calls or None)
-        return ChatChoice(index=index, message=message, logprobs=self._logprobs(items), finish_reason=reason)
+        message = ChatMessage(content=None if calls and not content else content, tool_calls=calls or None,
+                              reasoning_content=choice.reasoning or None)
+        return ChatChoice(index=index, message=message, logprobs=self._logprobs(choice.logprobs), finish_reason=reason)
 
     def usage_chunk(self, usage):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage).model_dump()
@@ -122,8 +143,9 @@ class CompletionReply(Reply):
 
     def whole(self, choices, usage):
         return Completion(id=self.id, created=self.created, model=self.model, usage=usage, choices=[
-            CompletionChoice(index=i, text=self._echo(i) + text, logprobs=self._logprobs(i, items), finish_reason=reason)
-            for i, (text, reason, items) in enumerate(choices)
+            CompletionChoice(index=i, text=self._echo(i) + c.text, logprobs=self._logprobs(i, c.logprobs),
+                             finish_reason=c.finish_reason)
+            for i, c in enumerate(choices)
         ]).model_dump()
 
     def usage_chunk(self, usage):

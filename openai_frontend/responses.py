@@ -4,15 +4,17 @@ Why: the OpenAI Agents SDK and newer OpenAI clients speak this API first. A requ
 pipeline prompt a chat completion does: ``instructions`` as the system turn, message items as turns,
 ``function_call`` items as the assistant's tool calls and ``function_call_output`` items as tool turns;
 ``text.format`` becomes the reply's structured output, and function tools the chat template's tools.
-The reply is a response object (a ``message`` item with ``output_text``, then ``function_call`` items),
-whole or as OpenAI's typed server-sent events, in OpenAI's order.
+The reply is a response object (a thinking model's ``reasoning`` item with its ``reasoning_text``, a
+``message`` item with ``output_text``, then ``function_call`` items), whole or as OpenAI's typed
+server-sent events, in OpenAI's order. Reasoning items sent back in ``input`` are dropped, as thinking
+templates drop earlier turns' thinking.
 
 Stored responses (``store``, true by default as OpenAI's) are kept in memory, bounded by count and by age
 (``RESPONSES_STORE_SIZE``, ``RESPONSES_STORE_SECONDS``): ``previous_response_id`` continues one (its
 conversation and output before the new input; its instructions are not carried over, as OpenAI's are
 not), ``GET`` returns it and ``DELETE`` forgets it; a missing or expired id is a 404 naming it. What this
 server does not do is refused by name: built-in tools (web search, file search, computer use, ...),
-image and file inputs, ``background``, reasoning options, ``include``.
+image and file inputs, ``background``, reasoning options (effort, summaries), ``include``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 
+from client import Chunk
 from contract.tools import ToolCallParser
 from openai_frontend.answer import Generations, counted
 from openai_frontend.errors import APIError, ClientGone
@@ -69,6 +72,17 @@ class FunctionCallOutputItem(Strict):
     call_id: str
     output: str
     id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(Strict):
+    """An earlier reply's reasoning, sent back (the Agents SDK does): dropped."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list = []
+    content: list | None = None
+    encrypted_content: str | None = None
     status: str | None = None
 
 
@@ -137,7 +151,8 @@ class ResponsesRequest(Strict):
         if self.background:
             raise UnsupportedField("background", "background mode is not supported by this server")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise UnsupportedField("reasoning", "this model does not reason")
+            raise UnsupportedField("reasoning", "reasoning options (effort, summaries) are not supported by this server: "
+                                   "a thinking chat template's thinking comes back whole, as a reasoning item")
         if self.include:
             raise UnsupportedField("include", "no extra output data is served")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -150,17 +165,18 @@ class ResponsesRequest(Strict):
     def format(self) -> TextFormat | None:
         return self.text.format if self.text else None
 
-    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         """``input`` as items, each checked (a string is one user message)."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
-        kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+        kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+                 "reasoning": ReasoningItem}
         items = []
         for i, raw in enumerate(self.input):
             kind = raw.get("type", "message") if isinstance(raw, dict) else None
             if kind not in kinds:
                 raise UnsupportedField(f"input.{i}.type", f"input items of type {kind!r} are not supported by this server; "
-                                       "send message, function_call or function_call_output items")
+                                       "send message, function_call, function_call_output or reasoning items")
             try:
                 items.append(kinds[kind].model_validate(raw))
             except ValidationError as e:
@@ -190,6 +206,8 @@ def conversation(items: list) -> list[dict]:
     for item in items:
         if isinstance(item, MessageItem):
             turns.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+        elif isinstance(item, ReasoningItem):
+            continue
         elif isinstance(item, FunctionCallItem):
             if not turns or turns[-1]["role"] != "assistant":
                 turns.append({"role": "assistant", "content": ""})
@@ -234,18 +252,24 @@ class ResponseReply:
     def __init__(self, body: ResponsesRequest, model: str) -> None:
         self.body, self.model = body, model
         self.id, self.created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.message_id, self.reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         self.parser = ToolCallParser() if body.calls_tools else None
-        self.text, self.finish_reason = "", ""
+        self.text, self.reasoning, self.finish_reason = "", "", ""
 
-    def read(self, text: str, finish_reason: str) -> tuple[str, list[dict]]:
-        self.finish_reason = finish_reason or self.finish_reason
+    def read(self, piece: Chunk) -> tuple[str, list[dict]]:
+        """The new text and call fragments of a piece; its thinking is added to ``reasoning``."""
+        self.finish_reason = piece.finish_reason or self.finish_reason
+        self.reasoning += piece.reasoning_output
         if self.parser is None:
-            content, calls = text, []
+            content, calls = piece.text_output, []
         else:
-            content, calls = self.parser.feed(text, final=bool(finish_reason))
+            content, calls = self.parser.feed(piece.text_output, final=bool(piece.finish_reason))
         self.text += content
         return content, calls
+
+    def reasoning_item(self, status: str = "completed") -> dict:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status, "encrypted_content": None,
+                "content": [{"type": "reasoning_text", "text": self.reasoning}]}
 
     def message(self, status: str = "completed") -> dict:
         part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
@@ -257,7 +281,8 @@ class ResponseReply:
 
     def output(self) -> list[dict]:
         calls = [self.call_item(c) for c in self.parser.calls] if self.parser else []
-        return ([self.message()] if self.text or not calls else []) + calls
+        thought = [self.reasoning_item()] if self.reasoning else []
+        return thought + ([self.message()] if self.text or not calls else []) + calls
 
     def response(self, status: str, output: list[dict], usage: dict | None) -> dict:
         b = self.body
@@ -300,7 +325,7 @@ async def answer_response(generations: Generations, reply: ResponseReply, store:
         pending = early
         while True:
             for _, piece in pending:
-                reply.read(piece.text_output, piece.finish_reason)
+                reply.read(piece)
             if generations.done:
                 break
             pending = [await generations.next()]
@@ -332,18 +357,32 @@ class _Events:
 
 async def _events(generations: Generations, reply: ResponseReply, early: list, store: Store, turns: list[dict],
                   metrics) -> AsyncIterator[bytes]:
-    """response.created and .in_progress; the message item (output_item.added, content_part.added,
-    output_text.delta ..., their .done events); each function_call item (output_item.added,
-    function_call_arguments.delta ..., .done); then response.completed (or .incomplete at
-    max_output_tokens). A failure after the first byte is response.failed, then an error event."""
-    event, items, text_open, calls_done = _Events(), 0, False, 0
+    """response.created and .in_progress; a thinking model's reasoning item (output_item.added,
+    content_part.added, reasoning_text.delta ..., their .done events); the message item (the same, with
+    output_text.delta); each function_call item (output_item.added, function_call_arguments.delta ...,
+    .done); then response.completed (or .incomplete at max_output_tokens). A failure after the first
+    byte is response.failed, then an error event."""
+    event, items, text_open, calls_done, thinking = _Events(), 0, False, 0, False
     try:
         yield event("response.created", response=reply.response("in_progress", [], None))
         yield event("response.in_progress", response=reply.response("in_progress", [], None))
         pending = early
         while True:
             for _, piece in pending:
-                content, calls = reply.read(piece.text_output, piece.finish_reason)
+                content, calls = reply.read(piece)
+                if piece.reasoning_output:  # before any text or call: the thinking comes first
+                    if not thinking:
+                        thinking = True
+                        yield event("response.output_item.added", output_index=items,
+                                    item={**reply.reasoning_item("in_progress"), "content": []})
+                        yield event("response.content_part.added", item_id=reply.reasoning_id, output_index=items,
+                                    content_index=0, part={"type": "reasoning_text", "text": ""})
+                    yield event("response.reasoning_text.delta", item_id=reply.reasoning_id, output_index=items,
+                                content_index=0, delta=piece.reasoning_output)
+                if thinking and (content or calls or piece.finish_reason):
+                    for data in _reasoning_done(event, reply, items):
+                        yield data
+                    thinking, items = False, items + 1
                 if content:
                     if not text_open:
                         text_open = True
@@ -396,6 +435,15 @@ def _text_done(event: _Events, reply: ResponseReply, index: int):
                 text=reply.text, logprobs=[])
     yield event("response.content_part.done", item_id=reply.message_id, output_index=index, content_index=0, part=part)
     yield event("response.output_item.done", output_index=index, item=reply.message())
+
+
+def _reasoning_done(event: _Events, reply: ResponseReply, index: int):
+    item = reply.reasoning_item()
+    yield event("response.reasoning_text.done", item_id=reply.reasoning_id, output_index=index, content_index=0,
+                text=reply.reasoning)
+    yield event("response.content_part.done", item_id=reply.reasoning_id, output_index=index, content_index=0,
+                part=item["content"][0])
+    yield event("response.output_item.done", output_index=index, item=item)
 
 
 def _call_done(event: _Events, reply: ResponseReply, index: int, call: int):

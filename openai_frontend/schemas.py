@@ -32,7 +32,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported by this server"),
     "prediction": (_absent, "predicted outputs are not supported by this server"),
     "web_search_options": (_absent, "web search is not supported by this server"),
-    "reasoning_effort": (_absent, "this model does not reason"),
+    "reasoning_effort": (_absent, "reasoning effort is not supported by this server; a thinking chat template thinks as "
+                         'it is told through chat_template_kwargs (e.g. {"enable_thinking": false})'),
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service tier is served"),
     "store": (lambda v: v is None or v is False, "stored completions are not supported by this server"),
     "metadata": (lambda v: v is None or isinstance(v, dict), "must be an object"),  # tags for stored completions
@@ -271,6 +272,11 @@ class CompletionRequest(GenerationFields):
     def budget_name(self) -> str:
         return "max_tokens"
 
+    def check(self) -> None:
+        super().check()
+        if self.chat_template_kwargs is not None:
+            raise UnsupportedField("chat_template_kwargs", "a completion's prompt is raw text, which no chat template "
+                                   "renders; send it to /v1/chat/completions")
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -314,6 +320,7 @@ class ChatLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a thinking model's thinking (vLLM's and SGLang's name), never in content
     tool_calls: list[ToolCall] | None = None
 
 
@@ -341,6 +348,7 @@ class ChatCompletion(ObjectHeader):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict] | None = None  # fragments: contract/tools.py's ToolCallParser
 
 

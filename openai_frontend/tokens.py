@@ -60,6 +60,7 @@ class TokenizeChatRequest(TokenizeFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template_kwargs: dict | None = None  # as the chat request's: the template's variables, e.g. enable_thinking
 
     def check(self) -> None:
         super().check()
@@ -68,7 +69,8 @@ class TokenizeChatRequest(TokenizeFields):
 
     def prompt_of(self) -> Prompt:
         return Prompt(messages=[m.pipeline() for m in self.messages],
-                      tools=[t.pipeline() for t in self.tools] if self.tools else None)
+                      tools=[t.pipeline() for t in self.tools] if self.tools else None,
+                      chat_template_kwargs=self.chat_template_kwargs)
 
 
 def tokenize_schema(data: dict) -> type[TokenizeFields]:

@@ -23,7 +23,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
-from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of, infer_input
+from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of, infer_input, reasoned
+from contract.reasoning import Splitter
 from contract.errors import classify
 from contract.schema import request_fields
 from triton_glue.stubs import DeathWatch
@@ -80,7 +81,8 @@ class Triton:
             return False
 
     async def generate(self, prompt: Prompt) -> AsyncIterator[Chunk]:
-        """The chunks of one generation, the last with its finish_reason; raises ``PipelineError``.
+        """The chunks of one generation, the last with its finish_reason, a thinking model's thinking in
+        their reasoning_output (``client.reasoned``); raises ``PipelineError``.
         Closing the iterator early cancels the generation in Triton."""
         inbox: asyncio.Queue = asyncio.Queue()
         done = asyncio.Event()
@@ -104,12 +106,13 @@ class Triton:
 
         self._inboxes.add(inbox)
         reader = asyncio.create_task(read())
+        splitter = Splitter()  # a thinking model's thinking, out of the text (contract/reasoning.py)
         try:
             while True:
                 item = await inbox.get()
                 if isinstance(item, Exception):
                     raise item if isinstance(item, PipelineError) else _error(item)
-                chunk = chunk_of(item)
+                chunk = reasoned(chunk_of(item), splitter)
                 yield chunk
                 if chunk.finish_reason:
                     return

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from contract import reasoning
 from contract.errors import InvalidInput, decode_utf8
 from contract.tokenizer import load_tokenizer, vocab_fingerprint
 from preprocess.tools import TemplateTools, conversation, structured_outputs, tool_request
@@ -36,20 +39,26 @@ class PromptRequest:
     tools: bytes | None = None
     tool_choice: bytes | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: bytes | None = None  # JSON object: the chat template's extra variables
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """What llm gets: the prompt's ids, and what its reply must follow (JSON text; ``null`` when free)."""
+    """What llm gets: the prompt's ids, and what its reply must follow (JSON text; ``null`` when free);
+    and where the reply begins, inside thinking or not, which comes back with every response (contract/reasoning.py)."""
 
     input_ids: list[int]
     structured_outputs: bytes = b"null"
+    reasoning_state: str = reasoning.NONE
 
 
 ROLES = ("system", "user", "assistant", "tool")
 KEYS = {"system": {"content"}, "user": {"content"}, "assistant": {"content", "tool_calls"}, "tool": {"content", "tool_call_id"}}
 SHAPES = {"system": "role and content", "user": "role and content", "assistant": "role and content (and tool_calls)",
           "tool": "role, content and tool_call_id"}
+# What chat_template_kwargs may not set: the template call's own arguments, and what it hands the template.
+RESERVED = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"} \
+    | {"conversations", "messages"}
 
 
 class Preprocessor:
@@ -58,6 +67,7 @@ class Preprocessor:
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer_dir)
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.template_tools = TemplateTools.of(self.tokenizer)
+        self.thinks = reasoning.thinks(self.tokenizer.chat_template)
 
     def _text(self, field: str, raw: bytes, allow_empty: bool) -> str:
         limit = self.config.max_input_bytes
@@ -92,17 +102,47 @@ class Preprocessor:
                     raise InvalidInput("system_prompt needs apply_chat_template=true")
                 if tools.active:
                     raise InvalidInput("tools needs apply_chat_template=true")
+                if request.chat_template_kwargs is not None:
+                    raise InvalidInput("chat_template_kwargs needs apply_chat_template=true")
                 return Prepared(self.tokenizer.encode(text, add_special_tokens=True), request.structured_outputs or b"null")
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         messages, shown = conversation(messages, tools, self.template_tools)
         grammar = structured_outputs(tools, self.template_tools)
-        return Prepared(self._chat(messages, shown),
-                        json.dumps(grammar).encode() if grammar else request.structured_outputs or b"null")
+        constraint = json.dumps(grammar).encode() if grammar else request.structured_outputs or b"null"
+        prompt = self._chat(messages, shown, self._template_kwargs(request.chat_template_kwargs))
+        state = reasoning.state_of(prompt, self.thinks)
+        if state == reasoning.INSIDE and constraint.strip() != b"null":
+            # A grammar holds the reply from its first token, so it cannot think first: the block is closed
+            # for it, as Qwen3's template does with thinking off, and the answer follows the grammar.
+            prompt, state = f"{prompt}{reasoning.CLOSE}\n\n", reasoning.OUTSIDE
+        return Prepared(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], constraint, state)
 
-    def _chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+        """The prompt as the chat template renders it (apply_chat_template's tokenize=True encodes this
+        text the same way, without special tokens); a template that refuses the request is its error."""
         if not self.tokenizer.chat_template:
             raise InvalidInput("this tokenizer has no chat template; send apply_chat_template=false")
-        return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True))
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                      **kwargs)
+        except TemplateError as e:
+            fields = "chat_template_kwargs and messages" if kwargs else "messages"
+            raise InvalidInput(f"{fields}: the chat template refused them: {e}") from None
+
+    def _template_kwargs(self, raw: bytes | None) -> dict:
+        """``chat_template_kwargs``, checked: a JSON object whose names the template call does not take itself."""
+        if raw is None:
+            return {}
+        try:
+            kwargs = json.loads(self._text("chat_template_kwargs", raw, allow_empty=False))
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"chat_template_kwargs is not valid JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidInput("chat_template_kwargs must be a JSON object of the chat template's variables")
+        reserved = sorted(RESERVED & set(kwargs))
+        if reserved:
+            raise InvalidInput(f"chat_template_kwargs may not set {reserved}: the request's own fields decide them")
+        return kwargs
 
     def _messages(self, raw: bytes) -> list[dict]:
         """The conversation, checked: a JSON list of {"role", "content"} with known roles and text content;

@@ -155,7 +155,7 @@ def test_client_sends_exactly_the_ensemble_input_names():
                     frequency_penalty=0.2, logprobs=True, top_logprobs=2, prompt_logprobs=1, min_p=0.1,
                     logit_bias={"5": -100}, min_tokens=2, stop_token_ids=[7], structured_outputs={"regex": "a"},
                     tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="f", parallel_tool_calls=False,
-                    cache_salt="tenant")
+                    cache_salt="tenant", chat_template_kwargs={"enable_thinking": False})
     names = {i.name() for i in build_inputs(httpclient, prompt, stream=True)}
     conversation = Prompt(messages=[{"role": "user", "content": "hi"}])
     assert {i.name() for i in build_inputs(httpclient, conversation)} == {"messages"}

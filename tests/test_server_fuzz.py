@@ -132,6 +132,7 @@ TOOL = st.one_of(st.fixed_dictionaries({"type": st.just("function"), "function":
     optional={"description": st.one_of(TEXT, JUNK), "parameters": st.one_of(
         st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
         st.dictionaries(st.sampled_from(["type", "properties", "required", "x"]), JUNK, max_size=3), JUNK)})}), JUNK)
+TEMPLATE_KWARGS = st.one_of(st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages", "x"]), JUNK, max_size=2), JUNK)
 CHAT = st.fixed_dictionaries(
     {"max_tokens": MAX_TOKENS, "messages": st.one_of(st.lists(MESSAGE, max_size=4), JUNK)},
     optional={
@@ -155,7 +156,7 @@ CHAT = st.fixed_dictionaries(
         "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 60000).map(str), TEXT), NUMBER, max_size=4), JUNK),
         "min_p": NUMBER, "min_tokens": st.one_of(st.integers(-2, 600), JUNK),
         "stop_token_ids": st.one_of(st.lists(st.integers(-5, 60000), max_size=4), JUNK),
-        "user": st.one_of(st.text(max_size=8), JUNK), "unknown_field": JUNK,
+        "user": st.one_of(st.text(max_size=8), JUNK), "unknown_field": JUNK, "chat_template_kwargs": TEMPLATE_KWARGS,
     },
 )
 
@@ -200,7 +201,8 @@ TOKENIZE = st.one_of(
         "add_special_tokens": st.one_of(st.booleans(), JUNK), "return_token_strs": st.one_of(st.booleans(), JUNK)}),
     st.fixed_dictionaries({"messages": st.one_of(st.lists(MESSAGE, max_size=3), JUNK)}, optional={
         "tools": st.one_of(st.lists(TOOL, max_size=2), JUNK), "add_generation_prompt": st.one_of(st.booleans(), JUNK),
-        "continue_final_message": st.one_of(st.booleans(), JUNK), "add_special_tokens": st.one_of(st.booleans(), JUNK)}),
+        "continue_final_message": st.one_of(st.booleans(), JUNK), "add_special_tokens": st.one_of(st.booleans(), JUNK),
+        "chat_template_kwargs": TEMPLATE_KWARGS}),
     JUNK,
 ).map(lambda body: body if not isinstance(body, dict) else {**body, "model": "SmolLM2-135M-Instruct"})
 DETOKENIZE = st.fixed_dictionaries({"tokens": st.one_of(st.lists(st.integers(-5, 60000), max_size=20),
@@ -230,6 +232,8 @@ BLOCK = st.one_of(
                            "input": st.one_of(st.just({"a": 1}), JUNK)}),
     st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.sampled_from(["t1", "t9"]),
                            "content": st.one_of(TEXT, JUNK)}, optional={"is_error": st.one_of(st.booleans(), JUNK)}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": st.one_of(TEXT, JUNK)}, optional={"signature": st.one_of(TEXT, JUNK)}),
+    st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": st.one_of(TEXT, JUNK)}),
     st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "thinking"]), "source": JUNK}),
     JUNK,
 )
@@ -251,7 +255,8 @@ MESSAGES = st.fixed_dictionaries(
             st.fixed_dictionaries({"type": st.just("web_search_20250305"), "name": st.just("web_search")}), JUNK), max_size=2), JUNK),
         "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none", "tool", "x"])},
                                                        optional={"name": st.sampled_from(["f", "h"])}), JUNK),
-        "thinking": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive"])}), JUNK),
+        "thinking": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
+                                                    optional={"budget_tokens": st.one_of(st.integers(-2, 600), JUNK)}), JUNK),
         "metadata": st.one_of(st.fixed_dictionaries({"user_id": st.text(max_size=8)}), JUNK), "unknown_field": JUNK,
     },
 )
@@ -283,6 +288,8 @@ RESPONSE_ITEM = st.one_of(
                            "arguments": st.one_of(st.just('{"a": 1}'), TEXT)}),
     st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c9"]), "output": st.one_of(TEXT, JUNK)}),
     st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call", "x"])}),
+    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.one_of(st.just([]), JUNK)}, optional={
+        "content": st.one_of(st.just([{"type": "reasoning_text", "text": "hmm"}]), JUNK), "id": st.one_of(TEXT, JUNK)}),
     JUNK,
 )
 RESPONSES = st.fixed_dictionaries(
@@ -303,6 +310,7 @@ RESPONSES = st.fixed_dictionaries(
                           st.fixed_dictionaries({"type": st.just("json_schema"), "name": st.just("x"), "schema": st.one_of(
                               st.just({"type": "object", "properties": {"a": {"type": "integer"}}}), JUNK)}), JUNK)}), JUNK),
         "background": st.one_of(st.booleans(), JUNK), "include": st.one_of(st.lists(st.text(max_size=8), max_size=2), JUNK),
+        "reasoning": st.one_of(st.fixed_dictionaries({"effort": st.sampled_from(["low", "high"])}), JUNK),
         "metadata": st.one_of(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2), JUNK), "unknown_field": JUNK,
     },
 )

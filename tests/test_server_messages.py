@@ -96,7 +96,8 @@ def test_bad_input_is_anthropics_error_naming_the_field(client, model, openai_fr
     assert "max_tokens" in error_of({"model": model, "messages": STORY})["message"]
     assert error_of({**base, "max_tokens": 100_000})["message"].startswith("max_tokens must be")
     assert error_of({**base, "model": "claude-sonnet-4-5"}, 404)["type"] == "not_found_error"
-    assert error_of({**base, "thinking": {"type": "enabled", "budget_tokens": 1024}})["message"].startswith("thinking:")
+    assert error_of({**base, "thinking": {"type": "adaptive"}})["message"].startswith("thinking.type:")
+    assert error_of({**base, "thinking": {"type": "enabled", "budget_tokens": 4}})["message"].startswith("thinking.budget_tokens")
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     assert "messages.0.content" in error_of({**base, "messages": [{"role": "user", "content": [image]}]})["message"]
     message = error_of({**base, "tools": [{"type": "web_search_20250305", "name": "web_search"}]})["message"]

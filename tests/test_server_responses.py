@@ -97,7 +97,8 @@ def test_what_is_not_served_is_refused_by_name(openai_frontend, model):
     assert error_of({"input": "Hi", "tools": [{"type": "web_search"}]})["param"] == "tools.0"
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
     assert error_of({"input": [image]})["param"].startswith("input.0.content")
-    assert error_of({"input": [{"type": "reasoning", "summary": []}]})["param"] == "input.0.type"
+    assert error_of({"input": [{"type": "web_search_call", "id": "ws_1"}]})["param"] == "input.0.type"
+    assert error_of({"input": "Hi", "reasoning": {"effort": "high"}})["param"] == "reasoning"
     assert error_of({"input": "Hi", "background": True})["param"] == "background"
     assert error_of({"input": "Hi", "max_output_tokens": 100_000})["param"] == "max_output_tokens"
     assert error_of({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}})["param"] == "text.format.schema"

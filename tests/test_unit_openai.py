@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from client import Chunk
 from openai_frontend.__main__ import api_keys
 from openai_frontend.app import _pipeline_prompts, _union_member
-from openai_frontend.replies import ChatReply, CompletionReply
+from openai_frontend.replies import ChatReply, Choice, CompletionReply
 from openai_frontend.schemas import (ChatCompletionRequest, CompletionRequest, FieldError, UnsupportedField, Usage,
                                      without_unsupported)
 
@@ -94,7 +94,7 @@ def test_chat_chunks_leave_out_what_a_delta_lacks_and_usage_unless_asked():
 def test_completion_logprobs_take_the_legacy_shape_with_text_offsets():
     reply = CompletionReply(CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 1}), "m")
     dot = {**ITEM, "token": ".", "bytes": [46], "logprob": -0.5, "top_logprobs": []}
-    whole = reply.whole([(" Paris.", "stop", [ITEM, dot])], Usage.of(5, 2, 0))
+    whole = reply.whole([Choice(" Paris.", "", "stop", [ITEM, dot])], Usage.of(5, 2, 0))
     logprobs = whole["choices"][0]["logprobs"]
     assert logprobs == {"tokens": [" Paris", "."], "token_logprobs": [-0.25, -0.5],
                         "top_logprobs": [{" Paris": -0.25}, {}], "text_offset": [0, 6]}
@@ -188,7 +188,7 @@ def test_a_stream_joins_into_the_whole_replys_message(tools, text):
     from openai.types.chat import ChatCompletionChunk
 
     body = {**CHAT, "tools": tools} if tools else CHAT
-    whole = ChatReply(ChatCompletionRequest.model_validate(body), "m").whole([(text, "stop", None)], Usage.of(1, 1, 0))
+    whole = ChatReply(ChatCompletionRequest.model_validate(body), "m").whole([Choice(text, "", "stop")], Usage.of(1, 1, 0))
     reply, state = ChatReply(ChatCompletionRequest.model_validate({**body, "stream": True}), "m"), ChatCompletionStreamState()
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)] or [""]
     for i, piece in enumerate(pieces):

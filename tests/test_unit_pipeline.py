@@ -108,7 +108,9 @@ def test_bad_prompts_name_the_field(preprocessor, request_, message):
 def test_a_system_message_alone_is_a_conversation(preprocessor):
     """OpenAI answers one, and so does the chat template: the system turn, then the assistant's."""
     alone = preprocessor.encode(PromptRequest(messages=b'[{"role": "system", "content": "Be brief."}]')).input_ids
-    assert alone == preprocessor._chat([{"role": "system", "content": "Be brief."}], None) and len(alone) > 3
+    rendered = preprocessor.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}],
+                                                          add_generation_prompt=True, tokenize=True)
+    assert alone == list(rendered) and len(alone) > 3
 
 
 # postprocess

@@ -29,10 +29,12 @@ FIELDS = tuple(f for f in llm_fields() if f.name != "stream")
 
 
 class Pending(NamedTuple):
-    """What the glue keeps of a request until its final update: where answers go, and what it asked."""
+    """What the glue keeps of a request until its final update: where answers go, what it asked, and
+    what preprocess decided for postprocess (where the reply begins: contract/reasoning.py)."""
 
     sender: "pb_utils.InferenceResponseSender"
     request: GenerationRequest
+    reasoning_state: np.ndarray
 
 
 # What leads the message of each failed ending (contract/errors.py: the message carries its kind).
@@ -123,11 +125,12 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 generation, every_token = self._validate(request), bool(scalar(request, "stream"))
+                state = scalar(request, "reasoning_state") or b""
             except InvalidInput as e:
                 sender.send(error_response(e), flags=FINAL)
                 continue
             key = next(self.ids)
-            self.pending[key] = Pending(sender, generation)
+            self.pending[key] = Pending(sender, generation, np.array([[state]], dtype=np.object_))
             try:
                 self.loop.submit(generation, key, every_token)
             except InvalidInput as e:
@@ -178,7 +181,7 @@ class TritonPythonModel:
         step fails while another step runs (its in-flight count never returns to 0; fixed in later
         Triton). So a failure mid-stream travels as a final response carrying ``error``, and postprocess,
         the last step, answers with it."""
-        sender, request = self.pending[update.key]
+        sender, request, reasoning_state = self.pending[update.key]
         finished = update.finish_reason is not None
         if finished:
             del self.pending[update.key]  # whether or not the send below succeeds: nothing follows a final update
@@ -199,6 +202,7 @@ class TritonPythonModel:
                 error=np.array([[_failure(update).encode() if update.failed else b""]], dtype=np.object_),
                 **_logprobs(update, request.top_logprobs),
                 **_input_logprobs(update, request),
+                reasoning_state=reasoning_state,
             ), flags=FINAL if finished else 0)
 
     def finalize(self) -> None:

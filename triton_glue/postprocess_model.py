@@ -29,6 +29,7 @@ def _chunk(request, text: str, token_logprobs: bytes, finish_reason: bytes,
         cached_tokens=np.array([[scalar(request, "cached_tokens") or 0]], dtype=np.int32),
         finish_reason=np.array([[finish_reason]], dtype=np.object_),
         stop_reason=np.array([[stop_reason.encode("utf-8")]], dtype=np.object_),
+        reasoning_state=np.array([[scalar(request, "reasoning_state") or b""]], dtype=np.object_),
     )
 
 

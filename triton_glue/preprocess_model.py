@@ -13,7 +13,7 @@ from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar
 
 
-TEXTS = ("text_input", "system_prompt", "messages", "structured_outputs", "tools", "tool_choice")  # raw bytes, as sent
+TEXTS = ("text_input", "system_prompt", "messages", "structured_outputs", "tools", "tool_choice", "chat_template_kwargs")  # raw bytes, as sent
 
 
 class TritonPythonModel:
@@ -24,7 +24,7 @@ class TritonPythonModel:
         self.server_pid = os.getppid()  # the tritonserver that started this stub
         pb_utils.Logger.log_info(
             f"preprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.preprocessor.fingerprint}); "
-            f"{self.preprocessor.template_tools}"
+            f"{self.preprocessor.template_tools}; {'a thinking' if self.preprocessor.thinks else 'no thinking'} template"
         )
 
     def execute(self, requests: list) -> list:
@@ -44,4 +44,5 @@ class TritonPythonModel:
         except InvalidInput as e:
             return error_response(e)
         return response(input_ids=np.array([prepared.input_ids], dtype=np.int32), tokenizer_fingerprint=self.fingerprint,
-                        structured_outputs=np.array([[prepared.structured_outputs]], dtype=np.object_))
+                        structured_outputs=np.array([[prepared.structured_outputs]], dtype=np.object_),
+                        reasoning_state=np.array([[prepared.reasoning_state.encode()]], dtype=np.object_))
