@@ -370,13 +370,25 @@ def test_a_request_past_its_deadline_is_a_504_and_frees_its_row(openai_frontend,
     assert bad.status_code == 400 and error_of(bad)["param"] == "X-Request-Timeout"
 
 
+# A reply no model ends early: 512 tokens of a string that must be longer (the APIs without ignore_eos).
+LONG = {"type": "object", "properties": {"text": {"type": "string", "minLength": 3000}}, "required": ["text"]}
+LONG_BODIES = {
+    "chat/completions": {"messages": CHAT, "max_tokens": 512, "ignore_eos": True},
+    "responses": {"input": STORY, "max_output_tokens": 512,
+                  "text": {"format": {"type": "json_schema", "name": "long", "schema": LONG}}},
+    "messages": {"messages": CHAT, "max_tokens": 512, "tools": [{"name": "write", "input_schema": LONG}],
+                 "tool_choice": {"type": "any"}},
+}
+
+
+@pytest.mark.parametrize("route", LONG_BODIES)
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_frees_its_row(openai_frontend, model, llm_metric, stream):
+def test_a_client_that_disconnects_frees_its_row(openai_frontend, model, llm_metric, stream, route):
     wait_idle(llm_metric)
     before = llm_metric("llm_generation_tokens_total")
-    body = {"model": model, "messages": CHAT, "max_tokens": 512, "ignore_eos": True, "stream": stream}
+    body = {"model": model, **LONG_BODIES[route], "stream": stream}
     try:
-        with post(openai_frontend, "chat/completions", body, stream=True, timeout=3) as reply:
+        with post(openai_frontend, route, body, stream=True, timeout=3) as reply:
             for _ in zip(range(3), reply.iter_lines()):
                 pass  # streaming: the first events; whole: the read times out while llm generates
     except requests.Timeout:
