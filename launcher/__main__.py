@@ -4,8 +4,10 @@
 (prepared once as a folder under ``.cache/models/``, its weights read from the file); unset, the default
 SmolLM2-135M-Instruct is prepared once under ``.cache/models/``. Ports come from ``HTTP_PORT``,
 ``GRPC_PORT``, ``METRICS_PORT`` and ``OPENAI_PORT`` (8000/8001/8002/9000). ``serve`` and ``run`` start the
-OpenAI-compatible front end beside Triton unless given ``--no-openai``; Ctrl-C or SIGTERM drains both for up
-to ``DRAIN_TIMEOUT`` seconds (30) before they stop. ``supervise`` is the image's main process.
+OpenAI-compatible front end beside Triton unless given ``--no-openai``, and start either again when it dies
+(launcher/supervisor.py); Ctrl-C or SIGTERM drains both for up to ``DRAIN_TIMEOUT`` seconds (30) before they
+stop (a third cuts the drain short), and neither outlives the launcher (launcher/child.py). ``supervise``
+is the image's main process.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ from launcher.frontend import OpenAIFrontend
 from launcher.model import check_model_dir, model_folder, prepare_default_model, prepare_gguf, seed_model_dir
 from launcher.install import has_gpu
 from launcher.paths import CACHE_DIR, MODEL_REPOSITORY
-from launcher.process import Ports, drain_timeout
+from launcher.process import Ports, StopSignals, drain_timeout
+from launcher.supervisor import State, keep_serving, limits
 from launcher.triton import TritonServer
 from launcher.watchdog import Watchdog, healthy, python_models
 from triton_glue import drain
@@ -47,30 +49,28 @@ def model_dir() -> Path:
 def start_server(log_path: Path | None) -> TritonServer:
     path, gpu = model_dir(), has_gpu()
     log.info("model %s, %s", path, "GPU instances" if gpu else "no GPU found: CPU instances (configs/cpu.pbtxt)")
-    # Ctrl-C and SIGTERM both mean "drain and leave": either raises KeyboardInterrupt, and the caller
-    # then stops both servers (stop()), letting the requests running finish for up to DRAIN_TIMEOUT.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     if not os.environ.get("ADMIN_KEY"):
         log.warning("ADMIN_KEY is not set: the model repository API is locked (set it to swap tokenizers)")
     config_name = "" if gpu else "cpu"
     return TritonServer(model_env={"MODEL_DIR": str(path)}, log_path=log_path, model_config_name=config_name).start()
 
 
-def start_frontend(server: TritonServer, log_path: Path | None) -> OpenAIFrontend:
-    """The OpenAI API for ``server``'s model, named after its folder unless ``OPENAI_MODEL_NAME`` says."""
+def start_frontend(server: TritonServer, log_path: Path | None, state: Path) -> OpenAIFrontend:
+    """The OpenAI API for ``server``'s model, named after its folder unless ``OPENAI_MODEL_NAME`` says;
+    ``state``: the launcher's state file (launcher/supervisor.py)."""
     name = os.environ.get("OPENAI_MODEL_NAME") or Path(server.model_env["MODEL_DIR"]).name
-    return OpenAIFrontend(server, name, log_path=log_path).start()
+    return OpenAIFrontend(server, name, env={"LAUNCHER_STATE": str(state)}, log_path=log_path).start()
 
 
-def stop(server: TritonServer, frontend: OpenAIFrontend | None) -> None:
-    """Both drain at once (DRAIN_TIMEOUT); the front end refuses with 503 until Triton has stopped, and
-    exits last, once Triton's last answers have reached its clients."""
+def stop(server: TritonServer | None, frontend: OpenAIFrontend | None, signals: StopSignals) -> None:
+    """Both drain at once (DRAIN_TIMEOUT, or until a third signal); the front end refuses with 503 until
+    Triton has stopped, and exits last, once Triton's last answers have reached its clients."""
     log.info("stopping: new requests are refused; those running get up to %g s (DRAIN_TIMEOUT) to finish",
              drain_timeout())
     if frontend:
         frontend.drain()
-    server.stop()
+    if server:
+        server.stop(hurry=signals.hurry)
     if frontend:
         frontend.stop()
 
@@ -82,63 +82,95 @@ def announce(server: TritonServer, frontend: OpenAIFrontend | None) -> None:
              ports.metrics, f", OpenAI API {frontend.url}/v1 (model {frontend.model_name!r})" if frontend else "")
 
 
+class Service:
+    """What ``serve`` and ``run`` start: tritonserver, the front end beside it (unless ``--no-openai``) and
+    the state file the front end reads (launcher/supervisor.py). Everything it started is stopped by
+    ``stop``, whatever was interrupted; what was not reached never started."""
+
+    def __init__(self, no_openai: bool, log_path: Path | None) -> None:
+        self.no_openai, self.log_path = no_openai, log_path
+        self.server: TritonServer | None = None
+        self.frontend: OpenAIFrontend | None = None
+        self.state = State(CACHE_DIR / "run" / f"launcher-{os.getpid()}.json")
+
+    def start(self) -> None:
+        drain_timeout()  # bad settings are said now, not at the first Ctrl-C or failure
+        limits()
+        self.server = start_server(self.log_path)
+        self.state.triton_pid = self.server.process.pid
+        self.state.write()
+        if not self.no_openai:
+            log_path = self.log_path.with_name("openai.log") if self.log_path else None
+            self.frontend = start_frontend(self.server, log_path, self.state.path)
+        if self.log_path:
+            log.info("starting tritonserver (log: %s)", self.log_path)
+
+    def wait_ready(self) -> None:
+        self.server.wait_ready(timeout=STARTUP_TIMEOUT)
+        if self.frontend:
+            self.frontend.wait_ready()
+
+    def keep_serving(self) -> None:
+        """Announce, then restart what dies until interrupted (KeyboardInterrupt) or past the restart limit."""
+        announce(self.server, self.frontend)
+        children = {"tritonserver": self.server} | ({"openai_frontend": self.frontend} if self.frontend else {})
+        keep_serving(children, self.state, self._triton_ended, STARTUP_TIMEOUT)
+
+    def _triton_ended(self) -> None:
+        """Why it ended, as far as its log says (``serve`` shows its output above), and its stubs ended."""
+        if self.log_path:
+            log.error("the last lines of %s:\n%s", self.log_path, self.server.log_tail(20))
+        self.server.end_orphaned_stubs()
+
+    def stop(self, signals: StopSignals) -> None:
+        try:
+            stop(self.server, self.frontend, signals)
+        finally:
+            self.state.remove()
+
+
 def serve(args: argparse.Namespace) -> int:
+    signals = StopSignals().install()  # Ctrl-C and SIGTERM: drain and leave (launcher/process.py)
+    service = Service(args.no_openai, log_path=None)
     try:
-        drain_timeout()  # a bad DRAIN_TIMEOUT is said now, not at the first Ctrl-C
-        server = start_server(log_path=None)
-        frontend = None if args.no_openai else start_frontend(server, log_path=None)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        server.wait_ready(timeout=STARTUP_TIMEOUT)
-        if frontend:
-            frontend.wait_ready()
-        announce(server, frontend)
-        return server.process.wait()
+        service.start()
+        service.wait_ready()
+        service.keep_serving()
+        return 0  # unreachable: keep_serving returns only by raising
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        stop(server, frontend)
+        service.stop(signals)
 
 
 def run(args: argparse.Namespace) -> int:
     from client import ChatClient, Prompt
 
+    signals = StopSignals().install()
     log_path = CACHE_DIR / "logs" / "tritonserver.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    frontend = None
+    service = Service(args.no_openai, log_path)
     try:
-        drain_timeout()
-        server = start_server(log_path)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        if not args.no_openai:
-            frontend = start_frontend(server, log_path.with_name("openai.log"))
-        log.info("starting tritonserver (log: %s)", log_path)
-        server.wait_ready(timeout=STARTUP_TIMEOUT)
-        client = ChatClient(f"127.0.0.1:{server.ports.http}")
+        service.start()
+        service.server.wait_ready(timeout=STARTUP_TIMEOUT)
+        client = ChatClient(f"127.0.0.1:{service.server.ports.http}")
         print(f"> {args.prompt}\n{client.generate(Prompt(args.prompt, args.max_tokens)).text_output}", flush=True)
         client.close()
         if args.once:
             return 0
-        if frontend:
-            frontend.wait_ready()
-        announce(server, frontend)
-        server.process.wait()
-        return server.process.returncode
+        service.wait_ready()
+        service.keep_serving()
+        return 0
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as e:
-        print(f"error: {e}\n{server.log_tail()}", file=sys.stderr)
+        print(f"error: {e}\n{service.server.log_tail() if service.server else ''}", file=sys.stderr)
         return 1
     finally:
-        stop(server, frontend)
+        service.stop(signals)
 
 
 def local_url() -> str:
@@ -151,7 +183,7 @@ def supervise(command: list[str]) -> int:
     ports = Ports.from_env()
     repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
     server = TritonServer(ports=ports, model_repository=repository, admin_key=os.environ.get("ADMIN_KEY", ""))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signals = StopSignals().install()
     env = {k: v for k, v in os.environ.items() if k != "ADMIN_KEY"}  # the models have no use for it
     server.process = subprocess.Popen(command, env=env, start_new_session=True)
     server.watchdog = Watchdog(server.url, server.grpc_url, server.admin_key, python_models(repository),
@@ -159,7 +191,7 @@ def supervise(command: list[str]) -> int:
     try:
         return server.process.wait()
     except KeyboardInterrupt:
-        server.stop()
+        server.stop(hurry=signals.hurry)
         return 0
 
 

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.child import owned
 from launcher.paths import REPO_ROOT
 from launcher.process import DRAIN_SLACK, drain_timeout, port_is_free, stop_group, wait_healthy
 from launcher.triton import TritonServer
@@ -42,7 +43,7 @@ class OpenAIFrontend:
                **{k: v for k, v in self.triton.model_env.items() if k == "MODEL_DIR"}, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
         out = open(self.log_path, "wb") if self.log_path else None
-        self.process = subprocess.Popen([sys.executable, "-m", "openai_frontend"], env=env, stdout=out,
+        self.process = subprocess.Popen(owned([sys.executable, "-m", "openai_frontend"]), env=env, stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
@@ -57,8 +58,8 @@ class OpenAIFrontend:
             os.killpg(self.process.pid, signal.SIGUSR1)
 
     def stop(self, timeout: float | None = None) -> None:
-        """SIGTERM: it exits once its last stream has ended (its own drain, begun or not). Past ``timeout``
-        (its drain's, and a margin), SIGKILL."""
+        """SIGTERM: it exits once its last stream has ended (its own drain, begun or not: once Triton has
+        stopped, every stream has had its end). Past ``timeout`` (its drain's, and a margin), SIGKILL."""
         stop_group(self.process, drain_timeout() + 2 * DRAIN_SLACK if timeout is None else timeout)
 
     def __enter__(self) -> "OpenAIFrontend":

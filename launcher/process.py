@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import requests
+
+log = logging.getLogger("launcher")
 
 SETTLED_GRACE = 3.0  # seconds a stopping process gets to exit on its own once it is settled (stop_group)
 # Seconds a stopping server lets the requests it holds finish before it ends them with an error
@@ -33,6 +37,35 @@ def drain_timeout() -> float:
     return seconds
 
 
+class StopSignals:
+    """SIGINT and SIGTERM as the launcher takes them. The first raises ``KeyboardInterrupt`` where the
+    launcher is (it then stops everything, draining) and from then on none raises: a stop interrupted
+    half-way would leave its children running. The second is only logged (``make`` forwards a SIGTERM
+    its process group already got, so two come at once); a third sets ``hurry``: the drain ends now,
+    and the children still end."""
+
+    def __init__(self) -> None:
+        self.hurry = threading.Event()
+        self.count = 0
+
+    def install(self) -> "StopSignals":
+        for number in (signal.SIGTERM, signal.SIGINT):  # SIGINT too when started in the background
+            signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number: int, frame: object) -> None:
+        self.count += 1
+        name = signal.Signals(number).name
+        if self.count == 1:
+            raise KeyboardInterrupt(name)
+        if self.count == 2:
+            log.warning("%s: already stopping (draining for up to %g s, DRAIN_TIMEOUT); once more ends the drain now",
+                        name, drain_timeout())
+        elif not self.hurry.is_set():
+            log.warning("%s: ending the drain now", name)
+            self.hurry.set()
+
+
 def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callable[[], bool] | None = None) -> bool:
     """SIGTERM a process started with ``start_new_session`` and its children, SIGKILL past ``timeout``, or
     sooner once ``settled()`` (it has nothing left to finish) has held for ``SETTLED_GRACE`` seconds
@@ -51,11 +84,14 @@ def stop_group(process: subprocess.Popen | None, timeout: float, settled: Callab
     return early
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None, name: str, timeout: float, hint: str = "") -> None:
-    """Poll ``url`` until it answers 200; raise when ``process`` exits first or ``timeout`` passes."""
+def wait_healthy(url: str, process: subprocess.Popen | None, name: str, timeout: float, hint: str = "",
+                 on_poll: Callable[[], None] = lambda: None) -> None:
+    """Poll ``url`` until it answers 200; raise when ``process`` exits first or ``timeout`` passes.
+    ``on_poll`` runs before each look."""
     suffix = f"; {hint}" if hint else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        on_poll()
         if process and process.poll() is not None:
             raise RuntimeError(f"{name} exited with code {process.returncode}{suffix}")
         try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER
+from launcher.child import owned
 from launcher.install import has_gpu, install_tritonserver, server_env
 from launcher.paths import MODEL_REPOSITORY
 from launcher.process import DRAIN_SLACK, Ports, drain_timeout, port_is_free, stop_group, wait_healthy
@@ -44,6 +47,28 @@ def admin_key() -> str:
     return os.environ.get("ADMIN_KEY") or secrets.token_urlsafe(32)
 
 
+class StartUpLines:
+    """llm's start-up progress (llm/compiles.py's ``Progress``) from a tritonserver log, logged here as it grows."""
+
+    LINE = re.compile(r'\] "(llm: start-up [^"]*)"')
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0  # a restart's log goes on from here
+
+    def show(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                text = f.read()
+        except OSError:
+            return
+        text = text[:text.rfind(b"\n") + 1]  # whole lines only
+        self.offset += len(text)
+        for found in self.LINE.finditer(text.decode(errors="replace")):
+            log.info("%s", found.group(1))
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process on ``ensemble_repo/`` in explicit model control mode.
@@ -63,6 +88,7 @@ class TritonServer:
     process: subprocess.Popen | None = None
     watchdog: Watchdog | None = None  # runs with the process: Triton 2.51 misses a dead Python stub
     _drain_notes: list[int] = field(default_factory=list, repr=False)  # llm stubs whose drain notes to clear
+    start_up: StartUpLines | None = field(default=None, repr=False)  # llm's progress lines, from the log file
 
     @property
     def url(self) -> str:
@@ -99,13 +125,17 @@ class TritonServer:
         return cmd + self.extra_args
 
     def start(self) -> "TritonServer":
-        """Start the process; refuse ports already taken, so we never talk to someone else's server."""
+        """Start the process (again, after it ended: launcher/supervisor.py); refuse ports already taken, so
+        we never talk to someone else's server."""
         for name, port in (("HTTP_PORT", self.ports.http), ("GRPC_PORT", self.ports.grpc), ("METRICS_PORT", self.ports.metrics)):
             if not port_is_free(port):
                 raise RuntimeError(f"port {port} ({name}) is already in use; stop that server or set {name}")
-        out = open(self.log_path, "wb") if self.log_path else None
+        out = open(self.log_path, "ab" if self.process else "wb") if self.log_path else None  # a restart appends
+        self.start_up = StartUpLines(self.log_path) if self.log_path else None
+        if self.watchdog:  # a restart's: the old one watched the process that ended
+            self.watchdog.stop()
         self.process = subprocess.Popen(
-            self.command(), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,
+            owned(self.command()), env=server_env(self.model_env), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         self.watchdog = Watchdog(self.url, self.grpc_url, self.admin_key, python_models(self.model_repository),
@@ -113,8 +143,14 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Until ``/v2/health/ready`` answers 200; raises when the process dies or the deadline passes."""
-        wait_healthy(f"{self.url}/v2/health/ready", self.process, "tritonserver", timeout, self.log_hint())
+        """Until ``/v2/health/ready`` answers 200; raises when the process dies or the deadline passes. With
+        a log file (``make run``), llm's start-up lines are shown as they come: a first start compiles for
+        minutes, which would otherwise be silence after "starting tritonserver"."""
+        shown = self.start_up
+        wait_healthy(f"{self.url}/v2/health/ready", self.process, "tritonserver", timeout, self.log_hint(),
+                     on_poll=shown.show if shown else lambda: None)
+        if shown:
+            shown.show()
 
     def log_hint(self) -> str:
         return f"see the server log at {self.log_path}" if self.log_path else "see the output above"
@@ -128,22 +164,22 @@ class TritonServer:
         """How often ``model`` loaded so far, by the log (tests tell a reload from none with it)."""
         return self.log_path.read_text(errors="replace").count(f"successfully loaded '{model}'")
 
-    def drain(self, seconds: float) -> bool:
-        """Refuse new requests and let the ones held finish, for up to ``seconds``, after which llm ends the
-        rest with an error (``triton_glue/drain.py``); True once every llm instance holds nothing."""
+    def drain(self, seconds: float, hurry: threading.Event | None = None) -> bool:
+        """Refuse new requests and let the ones held finish, for up to ``seconds`` (or until ``hurry`` is
+        set), after which llm ends the rest with an error (``triton_glue/drain.py``); True once every llm
+        instance holds nothing."""
         pid = self.process.pid
-        llm_stubs = sorted(stubs.stubs(pid).get("llm", ()))
+        llm_stubs = self._drain_notes = sorted(stubs.stubs(pid).get("llm", ()))
         drain.begin(pid, seconds)
-        deadline = time.monotonic() + seconds + DRAIN_SLACK
-        try:
-            while self.process.poll() is None and time.monotonic() < deadline:
-                if drain.drained(llm_stubs):
-                    return True
-                time.sleep(0.1)
-        except KeyboardInterrupt:  # a second Ctrl-C: stop now
-            log.warning("interrupted again: stopping without waiting for the requests in flight")
-        finally:
-            self._drain_notes = llm_stubs
+        deadline, cut = time.monotonic() + seconds + DRAIN_SLACK, False
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if drain.drained(llm_stubs):
+                return not cut
+            if hurry is not None and hurry.is_set() and not cut:  # llm ends what it holds at once
+                log.warning("ending the requests in flight now")
+                drain.begin(pid, 0)
+                deadline, cut = time.monotonic() + DRAIN_SLACK, True
+            time.sleep(0.1)
         return False
 
     def unload_models(self) -> None:
@@ -163,9 +199,9 @@ class TritonServer:
         except InferenceServerException as e:  # the SIGTERM still stops it, only less quickly
             log.warning("could not unload the models before stopping: %s", e)
 
-    def stop(self, timeout: float = 40.0, drain_seconds: float | None = None) -> None:
-        """Drain (up to ``drain_seconds``, default ``DRAIN_TIMEOUT``), then SIGTERM: Triton unloads every
-        model and exits. SIGKILL past ``timeout`` after the SIGTERM.
+    def stop(self, timeout: float = 40.0, drain_seconds: float | None = None, hurry: threading.Event | None = None) -> None:
+        """Drain (up to ``drain_seconds``, default ``DRAIN_TIMEOUT``, or until ``hurry`` is set), then
+        SIGTERM: Triton unloads every model and exits. SIGKILL past ``timeout`` after the SIGTERM.
 
         Triton 2.51 counts a model whose load failed (a tokenizer swap to a bad folder) as live until its
         whole ``--exit-timeout-secs`` runs out, then exits with "Exit timeout expired"; it also waits that
@@ -182,7 +218,7 @@ class TritonServer:
             return
         pid, started = self.process.pid, time.monotonic()
         seconds = drain_timeout() if drain_seconds is None else drain_seconds
-        drained = self.drain(seconds)
+        drained = self.drain(seconds, hurry)
         log.info("tritonserver %s in %.1f s; stopping it", "drained" if drained else "did not drain",
                  time.monotonic() - started)
         self.unload_models()

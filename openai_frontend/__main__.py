@@ -4,8 +4,9 @@ Every option has an environment variable, so the launcher, the image and compose
 way: ``TRITON_GRPC_URL``, ``OPENAI_PORT`` (9000, as Triton's own OpenAI frontend), ``OPENAI_MODEL_NAME``
 (default: the name of ``MODEL_DIR``'s folder), ``OPENAI_REQUEST_TIMEOUT`` (seconds), ``API_KEYS``
 (comma-separated) or ``API_KEYS_FILE`` (one key a line), ``DRAIN_TIMEOUT`` (seconds a stop lets requests
-finish, 30), ``TRITON_PID`` and ``MAX_MODEL_LEN`` (the model's context that ``/tokenize`` reports; default:
-``MODEL_DIR``'s ``config.json``).
+finish, 30), ``TRITON_PID`` (or ``LAUNCHER_STATE``, the file ``make serve``'s launcher keeps: the
+tritonserver running now) and ``MAX_MODEL_LEN`` (the model's context that ``/tokenize`` reports; default:
+``MODEL_DIR``'s ``config.json``), ``OPENAI_MAX_BODY_BYTES`` (a larger request body is refused unread, 1 MiB).
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a stop (SIGTERM) lets requests in flight finish before ending them")
     parser.add_argument("--triton-pid", type=int, default=int(env("TRITON_PID", "0")) or None,
                         help="the tritonserver whose Python stubs to watch (default: any on this host)")
+    parser.add_argument("--launcher-state", default=env("LAUNCHER_STATE") or None,
+                        help="the launcher's state file: the tritonserver running now, and restarts (a metric)")
     parser.add_argument("--max-model-len", type=int, default=int(env("MAX_MODEL_LEN", "0")) or model_context(env("MODEL_DIR")),
                         help="the model's context in tokens, which /tokenize reports (default: MODEL_DIR's config.json)")
     parser.add_argument("--responses-store-size", type=int, default=int(env("RESPONSES_STORE_SIZE", "1000")),
                         help="stored responses (/v1/responses with store) kept at most; 0 keeps none")
+    parser.add_argument("--max-body-bytes", type=int, default=int(env("OPENAI_MAX_BODY_BYTES", str(1 << 20))),
+                        help="a request body past this many bytes is refused (413) before it is read")
     parser.add_argument("--responses-store-seconds", type=float, default=float(env("RESPONSES_STORE_SECONDS", "3600")),
                         help="how long a stored response is kept")
     args = parser.parse_args(argv)
@@ -66,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--request-timeout must be > 0")
     if args.responses_store_size < 0 or not args.responses_store_seconds > 0:
         parser.error("--responses-store-size (RESPONSES_STORE_SIZE) must be >= 0 and --responses-store-seconds > 0")
+    if args.max_body_bytes < 1:
+        parser.error("--max-body-bytes (OPENAI_MAX_BODY_BYTES) must be >= 1")
     if not 0 <= args.drain_timeout < float("inf"):
         parser.error("--drain-timeout (DRAIN_TIMEOUT) must be a number of seconds >= 0")
     settings = Settings(args.triton_url, args.model_name, args.request_timeout,
-                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.drain_timeout,
-                        args.max_model_len, args.responses_store_size, args.responses_store_seconds)
+                        api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.launcher_state,
+                        args.drain_timeout, args.max_model_len, args.responses_store_size, args.responses_store_seconds,
+                        args.max_body_bytes)
     log = logging.getLogger("openai_frontend")
     log.info("OpenAI API for %r: waiting for Triton (gRPC %s) to be ready before answering on :%d",
              settings.model_name, settings.triton_url, args.port)

@@ -24,12 +24,14 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from client import Prompt
-from contract.errors import STOPPING
+from contract.errors import STOPPING, UNAVAILABLE
 from openai_frontend.answer import Deadline, Generations, answer
-from openai_frontend.errors import APIError, ClientGone
+from openai_frontend.errors import RETRY_AFTER_SECONDS, APIError, ClientGone
 from openai_frontend.messages import NAMES as MESSAGES_NAMES, CountTokensRequest, MessageReply, MessagesRequest, answer_message
 from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.responses import ResponseReply, ResponsesRequest, Store, answer_response, conversation
@@ -39,7 +41,7 @@ from openai_frontend.schemas import (
 )
 from openai_frontend.shutdown import Drain
 from openai_frontend.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse, tokenize_schema
-from openai_frontend.triton import PipelineError, Triton
+from openai_frontend.triton import PipelineError, Triton, launcher_state
 
 log = logging.getLogger("openai_frontend")
 Body = TypeVar("Body", bound=Strict)
@@ -47,6 +49,7 @@ Body = TypeVar("Body", bound=Strict)
 SAMPLING_NAMES = {f.name: f.name for f in PASSED} | {"stop": "stop"}
 TOKEN_ROUTES = ("/tokenize", "/detokenize")  # vLLM's paths, without /v1; keys and drains guard them as /v1's
 MESSAGES_ROUTES = "/v1/messages"  # Anthropic's Messages API: its errors in Anthropic's shape
+NOT_READY = f"{UNAVAILABLE}Triton is not ready (starting, or restarting after a failure); retry"
 
 
 def _anthropic(path: str) -> bool:
@@ -60,18 +63,36 @@ class Settings:
     request_timeout: float = 600.0  # seconds from arrival to the last byte
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
     triton_pid: int | None = None  # the tritonserver whose stubs to watch; None: any on this host
+    launcher_state: str | None = None  # make serve's launcher's state file: the tritonserver now, and restarts
     drain_timeout: float = 30.0  # seconds a stop lets requests in flight finish (openai_frontend/shutdown.py)
     max_model_len: int | None = None  # the model's context, for /tokenize (openai_frontend/tokens.py)
     responses_store_size: int = 1000  # stored responses kept at most (openai_frontend/responses.py)
     responses_store_seconds: float = 3600.0  # and for how long
+    max_body_bytes: int = 1 << 20  # a request body past this is refused unread (413)
+
+
+class Restarts(Collector):
+    """``launcher_restarts_total``: the processes ``make serve``'s launcher started again (launcher/supervisor.py)."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+    def collect(self):
+        family = CounterMetricFamily("launcher_restarts", "Processes the launcher started again after they "
+                                     "ended unexpectedly", labels=["process"])
+        for process, count in launcher_state(self.state).get("restarts", {}).items():
+            family.add_metric([process], count)
+        yield family
 
 
 class Metrics:
     """The front end's own Prometheus metrics, served on its ``/metrics``."""
 
-    def __init__(self) -> None:
+    def __init__(self, launcher_state: str | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if launcher_state:
+            r.register(Restarts(launcher_state))
         self.requests = Counter("openai_requests_total", "HTTP requests answered", ["route", "status"], registry=r)
         self.latency = Histogram("openai_request_duration_seconds", "From arrival to the last byte", ["route"],
                                  buckets=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300], registry=r)
@@ -90,11 +111,11 @@ def _pipeline_prompts(body: GenerationFields, base: dict, n: int) -> list[Prompt
 
 
 class Gate:
-    """API keys on /v1, refusals while the server drains, then metrics for every answer: status, and
-    latency to the last byte (streams included), labelled by route template, not raw path."""
+    """API keys on /v1, refusals while the server drains or Triton is not ready, then metrics for every
+    answer: status, and latency to the last byte (streams included), labelled by route template, not raw path."""
 
-    def __init__(self, app, settings: Settings, metrics: Metrics, drain: Drain) -> None:
-        self.app, self.settings, self.metrics, self.drain = app, settings, metrics, drain
+    def __init__(self, app, settings: Settings, metrics: Metrics, drain: Drain, readiness: "Readiness") -> None:
+        self.app, self.settings, self.metrics, self.drain, self.readiness = app, settings, metrics, drain, readiness
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -114,6 +135,8 @@ class Gate:
             await error.response(anthropic)(scope, receive, recording_send)
         elif self.drain.started and scope["method"] == "POST" and api:
             await APIError(503, STOPPING, code="unavailable").response(anthropic)(scope, receive, recording_send)
+        elif api and not self.readiness.ready:
+            await APIError(503, NOT_READY, code="unavailable").response(anthropic)(scope, receive, recording_send)
         else:
             self.metrics.in_flight.inc()
             self.drain.in_flight += 1
@@ -128,39 +151,48 @@ class Gate:
 
 
 class Readiness:
-    """Whether Triton answers ready; ``on_ready`` is called the first time it does, so the front end says
-    it answers no later than ``/health`` first says 200."""
+    """Whether Triton answers ready, through the channel requests take, looked at every ``WATCH_SECONDS``
+    (and by ``/health``): until it does, and again while it does not (a restart), every API route answers
+    503 with ``Retry-After``, so a 200 from ``/v1/models`` means a chat request would be served.
+    ``on_ready`` is called the first time, so the front end says it answers no later than ``/health``
+    first says 200."""
+
+    WATCH_SECONDS = 0.5
 
     def __init__(self, triton: Triton, on_ready: Callable[[], None]) -> None:
-        self.triton, self.on_ready, self.said = triton, on_ready, False
+        self.triton, self.on_ready, self.said, self.ready = triton, on_ready, False, False
 
     async def check(self) -> bool:
-        ready = await self.triton.ready()
+        ready = self.ready = await self.triton.ready()
         if ready and not self.said:
             self.said = True
             self.on_ready()
         return ready
 
-    async def wait(self) -> None:
-        while not await self.check():
-            await asyncio.sleep(0.5)
+    async def watch(self) -> None:
+        while True:
+            was, said = self.ready, self.said
+            if await self.check() != was and said:
+                log.warning("Triton is %s", "ready again" if self.ready else "not ready: API routes answer 503 until it is")
+            await asyncio.sleep(self.WATCH_SECONDS)
 
 
 def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) -> FastAPI:
     """The app; ``on_ready`` is called once, when Triton first answers ready."""
-    triton, metrics, drain = Triton(settings.triton_url, settings.triton_pid), Metrics(), Drain(settings.drain_timeout)
+    triton = Triton(settings.triton_url, settings.triton_pid, settings.launcher_state)
+    metrics, drain = Metrics(settings.launcher_state), Drain(settings.drain_timeout)
     readiness = Readiness(triton, on_ready)
 
     async def lifespan(app: FastAPI):
         await triton.start()
-        waiting = asyncio.create_task(readiness.wait())
+        watching = asyncio.create_task(readiness.watch())
         yield
-        waiting.cancel()
+        watching.cancel()
         await triton.close()
 
     app = FastAPI(title="triton-chat OpenAI-compatible API", lifespan=lifespan)
     app.state.drain = drain
-    app.add_middleware(Gate, settings=settings, metrics=metrics, drain=drain)
+    app.add_middleware(Gate, settings=settings, metrics=metrics, drain=drain, readiness=readiness)
     _answer_errors(app)
     _serve_status(app, settings, readiness, metrics, drain)
     _serve_generations(app, settings, triton, metrics, drain)
@@ -209,10 +241,12 @@ def _serve_status(app: FastAPI, settings: Settings, readiness: Readiness, metric
 
     @app.get("/health")
     async def health() -> Response:
+        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
         if drain.started:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining"}, status_code=503, headers=retry)
         ready = await readiness.check()
-        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503,
+                            headers={} if ready else retry)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -344,11 +378,27 @@ def _check_model(model: str, settings: Settings) -> None:
         raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r} (GET /v1/models)",
                        "model", "model_not_found")
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 before it is read past ``limit`` bytes: at once from its
+    Content-Length, or as a chunked one passes the limit. A body the pipeline would refuse anyway must not
+    be held whole first (a hundred 70 MB bodies at once held 7 GB)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes (OPENAI_MAX_BODY_BYTES)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body passed the limit of {limit} bytes (OPENAI_MAX_BODY_BYTES)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Body]], settings: Settings,
                  openai: bool = True) -> Body:
     """The body as ``schema`` (or the schema ``schema`` picks for the body), or a 400 that names the field.
     ``openai``: OpenAI's fields this server does not do are refused by name, their off values dropped."""
-    raw = await request.body()
+    raw = await _body(request, settings.max_body_bytes)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -13,10 +13,12 @@ Triton 2.51 never answers the requests a dead decoupled stub held, so a watch on
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -24,8 +26,8 @@ import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
 from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of, infer_input, reasoned
-from contract.reasoning import Splitter
 from contract.errors import classify
+from contract.reasoning import Splitter
 from contract.schema import request_fields
 from triton_glue.stubs import DeathWatch
 
@@ -36,6 +38,20 @@ ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, before the 
 GUARDED_MODELS = ("llm", "preprocess", "postprocess")
 PREPROCESS, POSTPROCESS = "preprocess", "postprocess"
 PREPROCESS_INPUTS = frozenset(f.name for f in request_fields(PREPROCESS))
+# tritonclient's channel options, with gRPC's reconnect backoff bounded: by default it grows to 2 minutes
+# while Triton is down (starting, restarting), so a Triton ready again would still be answered 503 that long.
+KEEPALIVE = grpcclient.KeepAliveOptions()
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.keepalive_time_ms", KEEPALIVE.keepalive_time_ms),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE.keepalive_timeout_ms),
+    ("grpc.keepalive_permit_without_calls", KEEPALIVE.keepalive_permit_without_calls),
+    ("grpc.http2.max_pings_without_data", KEEPALIVE.http2_max_pings_without_data),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class PipelineError(Exception):
@@ -56,17 +72,29 @@ def _error(error: Exception) -> PipelineError:
     return PipelineError("unavailable", f"Triton is unreachable: {error}")
 
 
+def launcher_state(path: str | None) -> dict:
+    """The state ``make serve``'s launcher writes (launcher/supervisor.py): ``triton_pid``, the tritonserver
+    running now, and ``restarts`` by process; empty without one."""
+    try:
+        return json.loads(Path(path).read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
 class Triton:
-    def __init__(self, url: str, server_pid: int | None = None) -> None:
-        self.url = url
+    """``server_pid``: the tritonserver whose stubs to watch (None: any on this host), or ``state``: the
+    launcher's state file, which names the one running now, restarted or not."""
+
+    def __init__(self, url: str, server_pid: int | None = None, state: str | None = None) -> None:
+        self.url, self.state = url, state
         self.client: aio.InferenceServerClient | None = None  # made on the serving loop: gRPC aio binds to it
-        self.deaths = DeathWatch(GUARDED_MODELS, server_pid)
+        self.deaths = DeathWatch(GUARDED_MODELS, launcher_state(state).get("triton_pid", server_pid))
         self._inboxes: set[asyncio.Queue] = set()  # one per generation in flight
         self._watch: asyncio.Task | None = None
         self._fingerprint: str | None = None  # preprocess's tokenizer, which postprocess asks ids to come from
 
     async def start(self) -> None:
-        self.client = aio.InferenceServerClient(self.url)
+        self.client = aio.InferenceServerClient(self.url, channel_args=CHANNEL_OPTIONS)
         self._watch = asyncio.create_task(self._watch_stubs())
 
     async def close(self) -> None:
@@ -164,6 +192,9 @@ class Triton:
         """Fail every generation in flight when a pipeline stub dies: Triton would never answer them."""
         while True:
             await asyncio.sleep(WATCH_SECONDS)
+            pid = launcher_state(self.state).get("triton_pid", self.deaths.server_pid)
+            if pid != self.deaths.server_pid:  # the launcher started another (launcher/supervisor.py)
+                self.deaths = DeathWatch(GUARDED_MODELS, pid)
             try:
                 dead = await asyncio.to_thread(self.deaths.look)
             except Exception as e:  # the watch must outlive a failed look

@@ -110,9 +110,15 @@ def test_cancelled_requests_leave_nothing_in_flight_and_sigterm_stops_at_once(mo
     next(servers, None)
 
 
-def sse_events(reply: requests.Response) -> list:
-    """Every ``data:`` event of a stream until it ends, ``[DONE]`` included."""
-    return [line[len(b"data: "):].decode() for line in reply.iter_lines() if line.startswith(b"data: ")]
+def sse_events(reply: requests.Response, begun: threading.Event | None = None) -> list:
+    """Every ``data:`` event of a stream until it ends, ``[DONE]`` included; ``begun`` is set at the first."""
+    events = []
+    for line in reply.iter_lines():
+        if line.startswith(b"data: "):
+            events.append(line[len(b"data: "):].decode())
+            if begun is not None:
+                begun.set()
+    return events
 
 
 def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(model_dir, tmp_path):
@@ -143,17 +149,23 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
         said = [i for i, line in enumerate(lines) if "OpenAI API ready" in line or "successfully loaded 'ensemble'" in line]
         assert len(said) == 2 and "successfully loaded 'ensemble'" in lines[said[0]], [lines[i] for i in said]
         results: dict[str, object] = {}
+        begun = {name: threading.Event() for name in ("openai short", "triton short")}
 
         def openai_stream(name: str, max_tokens: int) -> None:
             body = {"model": model_dir.name, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                     "messages": [{"role": "user", "content": STORY}]}
             with requests.post(f"{openai_url}/v1/chat/completions", json=body, stream=True, timeout=120) as reply:
-                results[name] = sse_events(reply)
+                results[name] = sse_events(reply, begun.get(name))
 
         def triton_stream(name: str, max_tokens: int) -> None:
             client = ChatClient(f"127.0.0.1:{ports.grpc}", "grpc", timeout=120)
             try:
-                results[name] = len(list(client.stream(Prompt(STORY, max_tokens, ignore_eos=True))))
+                count = 0
+                for _ in client.stream(Prompt(STORY, max_tokens, ignore_eos=True)):
+                    count += 1
+                    if name in begun:
+                        begun[name].set()
+                results[name] = count
             except Exception as e:  # noqa: BLE001 - the error is what is checked
                 results[name] = e
             finally:
@@ -168,7 +180,8 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
         time.sleep(1)
         for t in short:
             t.start()
-        time.sleep(0.3)  # the short ones have begun, and are not done
+        for event in begun.values():  # the short ones have begun (taken before the drain), and are not done
+            assert event.wait(60)
         started = time.monotonic()
         os.killpg(launcher.pid, signal.SIGTERM)
         time.sleep(1)
@@ -193,7 +206,7 @@ def test_sigterm_drains_finishes_short_streams_and_ends_long_ones_with_an_error(
     assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
     cut = results["openai long"]
     assert cut[-1] == "[DONE]" and "drain timeout" in json.loads(cut[-2])["error"]["message"], cut[-3:]
-    assert isinstance(results["triton short"], int) and results["triton short"] > 1  # ended by its finish_reason
+    assert isinstance(results["triton short"], int) and results["triton short"] > 1, str(results["triton short"])  # ended by its finish_reason
     assert "drain timeout" in str(results["triton long"])
     assert stopped < drain + EXIT_AFTER_DRAIN, stopped
     text = log.read_text(errors="replace")

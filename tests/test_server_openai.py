@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import socket
 import time
 
 import openai
@@ -264,6 +266,32 @@ def test_unsupported_completion_fields_are_refused(openai_frontend, model):
                          ("echo", "yes")):
         reply = post(openai_frontend, "completions", {"model": model, "prompt": "Hi", field: value})
         assert reply.status_code == 400 and error_of(reply)["param"].startswith(field), (field, value, reply.text)
+
+
+def raw_post(frontend: OpenAIFrontend, path: str, headers: str, chunks: list[bytes] = ()) -> tuple[int, dict]:
+    """A POST written on a socket, so a body the server refuses early need not be sent first: the status
+    and the JSON of the answer (read once it comes, whatever is left unsent)."""
+    port = int(frontend.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}\r\n".encode())
+        for chunk in chunks:
+            try:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            except OSError:  # it answered and closed: read the answer
+                break
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        return reply.status, json.loads(reply.read())
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_read(openai_frontend):
+    """413, from the Content-Length alone (no byte of the 70 MB is sent) or once a chunked body passes the limit."""
+    status, body = raw_post(openai_frontend, "/v1/chat/completions", "Content-Length: 73400353\r\n")
+    assert status == 413 and body["error"]["message"] == ("the request body is 73400353 bytes; the limit is 1048576 "
+                                                          "bytes (OPENAI_MAX_BODY_BYTES)")
+    status, body = raw_post(openai_frontend, "/v1/messages", "Transfer-Encoding: chunked\r\n", [b"x" * 65536] * 48)
+    assert status == 413 and body["error"] == {"type": "request_too_large", "message": "the request body passed the "
+                                               "limit of 1048576 bytes (OPENAI_MAX_BODY_BYTES)"}
 
 
 def test_a_prompt_too_long_is_named_as_the_client_sent_it(openai_frontend, model):

@@ -1,0 +1,102 @@
+"""The launcher's policies without a server: the restart backoff and limit (launcher/supervisor.py), how
+repeated stop signals are taken (launcher/process.py), and the parent-death wrapper (launcher/child.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher import supervisor
+from launcher.child import owned
+from launcher.process import StopSignals
+from launcher.supervisor import Restarts, ending
+
+
+def test_restarts_back_off_doubling_to_a_cap_and_give_up_past_the_limit(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    policy = Restarts("tritonserver", limit=7, window=600)
+    delays = []
+    for _ in range(7):
+        delays.append(policy.next_delay(-9))
+        now[0] += 1  # it fails again a second after each restart
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    with pytest.raises(RuntimeError, match=r"tritonserver ended \(killed by SIGKILL\) after 7 restarts within 600 s"):
+        policy.next_delay(-9)
+
+
+def test_a_healthy_minute_resets_the_backoff_and_old_restarts_leave_the_window(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    policy = Restarts("openai_frontend", limit=2, window=100)
+    assert [policy.next_delay(1), policy.next_delay(1)] == [1, 2]
+    policy.started = now[0]
+    now[0] += supervisor.HEALTHY_SECONDS + 50  # up a healthy minute, and the first two restarts are past the window
+    assert policy.next_delay(1) == 1
+
+
+def test_restart_settings_are_checked(monkeypatch):
+    monkeypatch.setenv("RESTART_LIMIT", "many")
+    with pytest.raises(RuntimeError, match="RESTART_LIMIT must be a count"):
+        supervisor.limits()
+    monkeypatch.setenv("RESTART_LIMIT", "3")
+    monkeypatch.setenv("RESTART_WINDOW", "60")
+    assert supervisor.limits() == (3, 60.0)
+
+
+def test_an_ending_is_said_in_words():
+    assert ending(-9) == "killed by SIGKILL" and ending(1) == "exit code 1" and ending(-6) == "killed by SIGABRT"
+
+
+def test_the_first_stop_signal_interrupts_and_the_next_ones_never_do():
+    signals = StopSignals().install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGINT)  # the second: logged only
+        time.sleep(0.1)
+        assert not signals.hurry.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)  # the third: the drain ends now
+        time.sleep(0.1)
+        assert signals.hurry.is_set() and signals.count == 3
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_child_gets_sigterm_when_its_parent_dies(tmp_path):
+    """A parent that starts a child through ``owned`` and is then SIGKILLed: the child ends too."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from launcher.child import owned\n"
+        f"child = subprocess.Popen(owned([sys.executable, '-c', 'import time; time.sleep(60)']), start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")], cwd=os.getcwd())
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    time.sleep(0.5)  # the wrapper has set the signal and become the sleeper
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the child outlived its parent"
+        time.sleep(0.05)
+    assert owned(["x"])[-2:] == [str(os.getpid()), "x"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
