@@ -121,6 +121,8 @@ def one_request(server: Server, api: str, timeout: float = CLIENT_TIMEOUT) -> tu
         body = {"text_input": PROMPT, "max_tokens": REPLY_TOKENS, "ignore_eos": True, "stream": True}
         with requests.post(f"{server.triton}/v2/models/ensemble/generate_stream", json=body, stream=True,
                            timeout=(5, timeout)) as reply:
+            if reply.status_code != 200 and not reply.headers.get("content-type", "").startswith("text/event-stream"):
+                return "error", f"{reply.status_code} {reply.json().get('error', '')[:70]}"
             events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith(b"data: ")]
         if events and "error" in events[-1]:
             return "error", f"{reply.status_code} {events[-1]['error'][:70]}"

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
@@ -69,6 +70,8 @@ def _error(error: Exception) -> PipelineError:
         if "failed to connect" in message.lower() or "unavailable" in (error.status() or "").lower():
             return PipelineError("unavailable", f"Triton is unreachable: {message}")
         return PipelineError(classify(message), ENSEMBLE_PREFIX.sub("", message))
+    if isinstance(error, grpc.aio.AioRpcError):  # its text is a multi-line dump: its code and details say it
+        return PipelineError("unavailable", f"Triton is unreachable: {error.code().name}: {error.details()}")
     return PipelineError("unavailable", f"Triton is unreachable: {error}")
 
 
