@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from launcher.frontend import OpenAIFrontend
 from launcher.model import check_model_dir, model_folder, prepare_default_model, prepare_gguf, seed_model_dir
@@ -110,7 +111,7 @@ class Service:
         if self.frontend:
             self.frontend.wait_ready()
 
-    def keep_serving(self) -> None:
+    def keep_serving(self) -> NoReturn:
         """Announce, then restart what dies until interrupted (KeyboardInterrupt) or past the restart limit."""
         announce(self.server, self.frontend)
         children = {"tritonserver": self.server} | ({"openai_frontend": self.frontend} if self.frontend else {})
@@ -136,7 +137,6 @@ def serve(args: argparse.Namespace) -> int:
         service.start()
         service.wait_ready()
         service.keep_serving()
-        return 0  # unreachable: keep_serving returns only by raising
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as e:
@@ -163,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
             return 0
         service.wait_ready()
         service.keep_serving()
-        return 0
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as e:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, NoReturn, Protocol
 
 log = logging.getLogger("launcher")
 
@@ -109,7 +109,8 @@ class Restarts:
         return delay
 
 
-def keep_serving(children: dict[str, Child], state: State, on_triton_exit, startup_timeout: float) -> None:
+def keep_serving(children: dict[str, Child], state: State, on_triton_exit: Callable[[], None],
+                 startup_timeout: float) -> NoReturn:
     """Until interrupted (KeyboardInterrupt) or a child fails past its limit (RuntimeError): each child that
     ends is logged and started again after its backoff. ``on_triton_exit`` ends the stubs a dead
     tritonserver left."""
