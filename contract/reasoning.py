@@ -78,9 +78,9 @@ class Splitter:
 
     def feed(self, text: str, state: str, finished: bool) -> tuple[str, str]:
         """The reasoning and the answer that ``text``, the reply's next piece, adds."""
-        self.text += text
-        if state == NONE:
+        if state == NONE:  # nothing to split, nothing to keep
             return "", text
+        self.text += text
         now = split(self.text, state, finished)
         added = now.reasoning[len(self.shown.reasoning):], now.content[len(self.shown.content):]
         self.shown = now
