@@ -121,9 +121,11 @@ def test_a_body_nested_too_deeply_is_a_client_error():
     from openai_frontend.app import Settings, _parse
     from openai_frontend.errors import APIError
 
-    class Body:
-        async def body(self) -> bytes:
-            return b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    class Body:  # what _parse reads of a Request
+        headers: dict = {}
+
+        async def stream(self):
+            yield b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
 
     with pytest.raises(APIError, match="nested too deeply") as e:
         asyncio.run(_parse(Body(), ChatCompletionRequest, Settings()))
