@@ -179,6 +179,16 @@ def grpc_client(server: TritonServer) -> ChatClient:
     client.close()
 
 
+def with_template(model_dir: Path, folder: Path, template: Path) -> Path:
+    """``folder`` holding the default tokenizer with ``template`` as its chat template (a template fixture:
+    hermes tools, thinking), to load or swap in."""
+    for file in model_dir.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(file, folder / file.name)
+    shutil.copy2(template, folder / "chat_template.jinja")
+    return folder
+
+
 @pytest.fixture
 def tokenizer_copy(model_dir: Path, tmp_path: Path):
     """A fresh copy of the default tokenizer's files, to edit and swap in."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import anthropic
@@ -19,7 +18,7 @@ import requests
 
 from client import Prompt
 from client.admin import swap_tokenizer
-from conftest import Colour, Weather
+from conftest import Colour, Weather, with_template
 from contract.reasoning import INSIDE, OUTSIDE, split
 
 THINK_TEMPLATE = Path(__file__).parent / "templates" / "think.jinja"
@@ -34,11 +33,7 @@ FORCED = {"regex": f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"}
 @pytest.fixture(scope="module")
 def think(server, grpc_url, model_dir, tmp_path_factory):
     """preprocess with a thinking template (postprocess splits what preprocess says; it needs no swap)."""
-    folder = tmp_path_factory.mktemp("think")
-    for file in model_dir.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy2(file, folder / file.name)
-    shutil.copy2(THINK_TEMPLATE, folder / "chat_template.jinja")
+    folder = with_template(model_dir, tmp_path_factory.mktemp("think"), THINK_TEMPLATE)
     swap_tokenizer(grpc_url, str(folder), ("preprocess",), server.admin_key)
     yield
     swap_tokenizer(grpc_url, str(model_dir), ("preprocess",), server.admin_key)

@@ -4,12 +4,12 @@ split, whole and streamed, with the default tokenizer and a thinking template (t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from client import Chunk, reasoned
+from conftest import with_template
 from contract import reasoning
 from contract.errors import InvalidInput
 from contract.reasoning import INSIDE, NONE, OUTSIDE, Splitter, split
@@ -83,12 +83,7 @@ def test_chunks_streamed_a_token_at_a_time_split_as_the_whole_reply(tokenizer, t
 
 @pytest.fixture(scope="module")
 def thinking(model_dir, tmp_path_factory) -> Preprocessor:
-    folder = tmp_path_factory.mktemp("think")
-    for file in model_dir.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy2(file, folder / file.name)
-    shutil.copy2(THINK_TEMPLATE, folder / "chat_template.jinja")
-    return Preprocessor(PreprocessConfig(str(folder)))
+    return Preprocessor(PreprocessConfig(str(with_template(model_dir, tmp_path_factory.mktemp("think"), THINK_TEMPLATE))))
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ tool definitions, and the prompt each kind of chat template gets (contract/tools
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
+from conftest import with_template
 from contract.errors import InvalidInput
 from contract.tools import ToolCallParser, check_tools, parse
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
@@ -87,12 +87,7 @@ def generic(model_dir) -> Preprocessor:
 
 @pytest.fixture(scope="module")
 def hermes(model_dir, tmp_path_factory) -> Preprocessor:
-    folder = tmp_path_factory.mktemp("hermes")
-    for file in model_dir.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy2(file, folder / file.name)
-    shutil.copy2(HERMES_TEMPLATE, folder / "chat_template.jinja")
-    return Preprocessor(PreprocessConfig(str(folder)))
+    return Preprocessor(PreprocessConfig(str(with_template(model_dir, tmp_path_factory.mktemp("hermes"), HERMES_TEMPLATE))))
 
 
 def prompt(preprocessor: Preprocessor, messages: list[dict], **fields) -> tuple[str, dict | None]:
