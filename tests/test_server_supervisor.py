@@ -109,6 +109,7 @@ def serve(model_dir, tmp_path):
             s.process.kill()
         for pid in s.children():
             os.kill(pid, signal.SIGKILL)
+        (CACHE_DIR / "run" / f"launcher-{s.process.pid}.json").unlink(missing_ok=True)  # a killed launcher's
 
 
 def test_ready_means_a_request_is_served_and_repeated_signals_still_end_every_child(serve):
