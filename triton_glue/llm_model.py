@@ -30,7 +30,7 @@ FIELDS = tuple(f for f in llm_fields() if f.name != "stream")
 
 class Pending(NamedTuple):
     """What the glue keeps of a request until its final update: where answers go, what it asked, and
-    what preprocess decided for postprocess (where the reply begins: contract/reasoning.py)."""
+    what preprocess decided that every response hands on (where the reply begins: contract/reasoning.py)."""
 
     sender: "pb_utils.InferenceResponseSender"
     request: GenerationRequest
