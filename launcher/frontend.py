@@ -11,7 +11,7 @@ from pathlib import Path
 
 from launcher.child import owned
 from launcher.paths import REPO_ROOT
-from launcher.process import DRAIN_SLACK, drain_timeout, port_is_free, stop_group, wait_healthy
+from launcher.process import DRAIN_SLACK, answers, drain_timeout, port_is_free, stop_group, wait_healthy
 from launcher.triton import TritonServer
 
 
@@ -50,6 +50,10 @@ class OpenAIFrontend:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until ``/health`` answers 200 (it does once Triton is ready)."""
         wait_healthy(f"{self.url}/health", self.process, f"the OpenAI front end on :{self.port}", timeout)
+
+    def ready(self) -> bool:
+        """One look at ``/health``."""
+        return answers(f"{self.url}/health")
 
     def drain(self) -> None:
         """SIGUSR1: the front end refuses new requests (503) and lets its streams go on, without exiting

@@ -94,13 +94,18 @@ def wait_healthy(url: str, process: subprocess.Popen | None, name: str, timeout:
         on_poll()
         if process and process.poll() is not None:
             raise RuntimeError(f"{name} exited with code {process.returncode}{suffix}")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
+        if answers(url):
+            return
         time.sleep(0.3)
     raise TimeoutError(f"{name} not ready after {timeout:.0f}s{suffix}")
+
+
+def answers(url: str) -> bool:
+    """One look: does ``url`` answer 200 (within 2 s)?"""
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def port_is_free(port: int) -> bool:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,11 +37,11 @@ POLL_SECONDS = 0.5
 class Child(Protocol):
     """What the supervisor needs of tritonserver and the front end (launcher/triton.py, launcher/frontend.py)."""
 
-    process: object
+    process: subprocess.Popen
 
     def start(self) -> object: ...
 
-    def wait_ready(self, timeout: float) -> None: ...
+    def ready(self) -> bool: ...
 
 
 def limits() -> tuple[int, float]:
@@ -109,39 +110,56 @@ class Restarts:
         return delay
 
 
+@dataclass
+class Watched:
+    """One child as the supervisor sees it: running, waiting out its backoff (``restart_at``), or started
+    again and not yet ready (``starting_since``). Kept as state, not as a blocking wait, so that one child's
+    backoff or start-up never hides the other's death (a front end restarted while tritonserver is down is
+    not ready until tritonserver is)."""
+
+    child: Child
+    policy: Restarts
+    restart_at: float | None = None
+    starting_since: float | None = None
+
+
 def keep_serving(children: dict[str, Child], state: State, on_triton_exit: Callable[[], None],
                  startup_timeout: float) -> NoReturn:
     """Until interrupted (KeyboardInterrupt) or a child fails past its limit (RuntimeError): each child that
-    ends is logged and started again after its backoff. ``on_triton_exit`` ends the stubs a dead
+    ends is logged and started again after its backoff; one not ready ``startup_timeout`` seconds after it
+    was started again is killed, and counts as a failure. ``on_triton_exit`` ends the stubs a dead
     tritonserver left."""
     limit, window = limits()
-    policies = {name: Restarts(name, limit, window) for name in children}
+    watched = {name: Watched(child, Restarts(name, limit, window)) for name, child in children.items()}
     while True:
         time.sleep(POLL_SECONDS)
-        for name, child in children.items():
-            code = child.process.poll()
-            if code is None:
-                continue
-            policy = policies[name]
-            delay = policy.next_delay(code)
-            log.error("%s ended unexpectedly (%s); starting it again in %g s (restart %d of at most %d in %g s)",
-                      name, ending(code), delay, len(policy.times), limit, window)
+        for name, w in watched.items():
+            _look(name, w, state, on_triton_exit, startup_timeout)
+
+
+def _look(name: str, w: Watched, state: State, on_triton_exit: Callable[[], None], startup_timeout: float) -> None:
+    now, process = time.monotonic(), w.child.process
+    if w.restart_at is not None:
+        if now >= w.restart_at:
+            w.restart_at, w.starting_since = None, now
+            w.child.start()
+            state.restarts[name] = state.restarts.get(name, 0) + 1
             if name == "tritonserver":
-                on_triton_exit()
-            time.sleep(delay)
-            _restart(name, child, state, startup_timeout)
-            policy.started = time.monotonic()
-
-
-def _restart(name: str, child: Child, state: State, startup_timeout: float) -> None:
-    child.start()
-    state.restarts[name] = state.restarts.get(name, 0) + 1
-    if name == "tritonserver":
-        state.triton_pid = child.process.pid
-    state.write()
-    try:
-        child.wait_ready(timeout=startup_timeout)
-    except (RuntimeError, TimeoutError) as e:  # it failed again: the loop sees it ended (or ends it) and counts it
-        log.error("%s did not come back: %s", name, e)
+                state.triton_pid = w.child.process.pid
+            state.write()
         return
-    log.info("%s is serving again", name)
+    code = process.poll()
+    if code is not None:
+        delay = w.policy.next_delay(code)
+        log.error("%s ended unexpectedly (%s); starting it again in %g s (restart %d of at most %d in %g s)",
+                  name, ending(code), delay, len(w.policy.times), w.policy.limit, w.policy.window)
+        if name == "tritonserver":
+            on_triton_exit()
+        w.restart_at, w.starting_since = time.monotonic() + delay, None
+    elif w.starting_since is not None:
+        if w.child.ready():
+            log.info("%s is serving again", name)
+            w.starting_since, w.policy.started = None, time.monotonic()
+        elif now - w.starting_since > startup_timeout:
+            log.error("%s did not come back within %g s: ending it", name, startup_timeout)
+            os.killpg(process.pid, signal.SIGKILL)  # started with start_new_session: it and its children

@@ -20,7 +20,7 @@ from client.admin import ADMIN_HEADER, GRPC_ADMIN_HEADER
 from launcher.child import owned
 from launcher.install import has_gpu, install_tritonserver, server_env
 from launcher.paths import MODEL_REPOSITORY
-from launcher.process import DRAIN_SLACK, Ports, drain_timeout, port_is_free, stop_group, wait_healthy
+from launcher.process import DRAIN_SLACK, Ports, answers, drain_timeout, port_is_free, stop_group, wait_healthy
 from launcher.watchdog import Watchdog, python_models
 from triton_glue import drain, stubs
 
@@ -151,6 +151,13 @@ class TritonServer:
                      on_poll=shown.show if shown else lambda: None)
         if shown:
             shown.show()
+
+    def ready(self) -> bool:
+        """One look at ``/v2/health/ready`` (the supervisor's, which must not block on one child), showing
+        llm's start-up lines that came meanwhile."""
+        if self.start_up:
+            self.start_up.show()
+        return answers(f"{self.url}/v2/health/ready")
 
     def log_hint(self) -> str:
         return f"see the server log at {self.log_path}" if self.log_path else "see the output above"

@@ -40,6 +40,76 @@ def test_a_healthy_minute_resets_the_backoff_and_old_restarts_leave_the_window(m
     assert policy.next_delay(1) == 1
 
 
+class FakeProcess:
+    """A child process that ends when the test says."""
+
+    next_pid = 100
+
+    def __init__(self) -> None:
+        self.pid, self.code = FakeProcess.next_pid, None
+        FakeProcess.next_pid += 1
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class FakeChild:
+    def __init__(self) -> None:
+        self.process, self.is_ready, self.starts = FakeProcess(), True, 0
+
+    def start(self) -> "FakeChild":
+        self.process, self.starts = FakeProcess(), self.starts + 1
+        return self
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+
+def test_one_childs_backoff_or_start_up_never_hides_the_others_death(monkeypatch, tmp_path):
+    """A front end started again while tritonserver is down is not ready until tritonserver is: the
+    supervisor must still see tritonserver die meanwhile, and give up past the limit at once."""
+    now, script = [0.0], {}
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        for at in [t for t in script if t <= now[0]]:
+            script.pop(at)()
+
+    monkeypatch.setattr(supervisor.time, "sleep", sleep)
+    monkeypatch.setenv("RESTART_LIMIT", "1")
+    triton, frontend = FakeChild(), FakeChild()
+    state, ended = supervisor.State(tmp_path / "state.json"), []
+
+    def frontend_dies() -> None:
+        frontend.process.code, frontend.is_ready = -9, False  # and, started again, never ready
+
+    def triton_dies() -> None:
+        triton.process.code = -9
+
+    script.update({1.0: frontend_dies, 3.0: triton_dies, 10.0: triton_dies})
+    with pytest.raises(RuntimeError, match=r"tritonserver ended \(killed by SIGKILL\) after 1 restarts"):
+        supervisor.keep_serving({"tritonserver": triton, "openai_frontend": frontend}, state,
+                                lambda: ended.append(now[0]), startup_timeout=1800)
+    assert now[0] < 12  # not held up by the front end's start-up timeout (1800 s)
+    assert frontend.starts == 1 and triton.starts == 1 and ended == [3.0]  # its stubs ended (the last: by stop)
+    assert state.triton_pid == triton.process.pid and state.restarts == {"openai_frontend": 1, "tritonserver": 1}
+
+
+def test_a_child_not_ready_within_the_start_up_timeout_is_ended_and_counted(monkeypatch, tmp_path):
+    now, killed = [0.0], []
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(supervisor.time, "sleep", lambda seconds: now.__setitem__(0, now[0] + seconds))
+    monkeypatch.setattr(supervisor.os, "killpg", lambda pid, number: killed.append(pid) or setattr(child.process, "code", -9))
+    monkeypatch.setenv("RESTART_LIMIT", "1")
+    child = FakeChild()
+    child.process.code, child.is_ready = 1, False
+    with pytest.raises(RuntimeError, match=r"openai_frontend ended \(killed by SIGKILL\) after 1 restarts"):
+        supervisor.keep_serving({"openai_frontend": child}, supervisor.State(tmp_path / "s.json"), lambda: None,
+                                startup_timeout=60)
+    assert killed == [child.process.pid] and 60 < now[0] < 65
+
+
 def test_restart_settings_are_checked(monkeypatch):
     monkeypatch.setenv("RESTART_LIMIT", "many")
     with pytest.raises(RuntimeError, match="RESTART_LIMIT must be a count"):
