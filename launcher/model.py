@@ -55,7 +55,9 @@ def prepare_gguf(gguf: Path, target: Path | None = None, dequantized: bool = Fal
     # float32, as transformers de-quantizes: the 4-bit values exactly, so a float32 server serves them as they are
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name) if dequantized else None
     config = model.config if model else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # legacy=True: the behaviour it would take anyway, said, so transformers does not print a page on it
+    # ("if you loaded a llama tokenizer from a GGUF file you can ignore this message")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, legacy=True)
     special = gguf_special_tokens(gguf)
     # transformers' conversion takes bos for eos and adds it to raw text in some files (SmolLM2's): the
     # file's own metadata says which tokens end a turn and whether raw text starts with one.

@@ -6,7 +6,10 @@ way: ``TRITON_GRPC_URL``, ``OPENAI_PORT`` (9000, as Triton's own OpenAI frontend
 (comma-separated) or ``API_KEYS_FILE`` (one key a line), ``DRAIN_TIMEOUT`` (seconds a stop lets requests
 finish, 30), ``TRITON_PID`` (or ``LAUNCHER_STATE``, the file ``make serve``'s launcher keeps: the
 tritonserver running now) and ``MAX_MODEL_LEN`` (the model's context that ``/tokenize`` reports; default:
-``MODEL_DIR``'s ``config.json``), ``OPENAI_MAX_BODY_BYTES`` (a larger request body is refused unread, 1 MiB).
+``MODEL_DIR``'s ``config.json``), ``OPENAI_MAX_BODY_BYTES`` (a larger request body is refused unread, 1 MiB),
+``OPENAI_BODY_TIMEOUT`` (seconds for a body to arrive whole, 30), ``OPENAI_SEND_BUFFER_BYTES`` (each
+connection's send buffer, 64 KiB) and ``OPENAI_STALL_TIMEOUT`` (seconds a client may read nothing while that
+buffer is full before its connection is reset, 30; openai_frontend/connections.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from openai_frontend.app import Settings, create_app
+from openai_frontend.connections import protocol
 from openai_frontend.shutdown import Server
 from openai_frontend.tokens import model_context
 
@@ -63,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="stored responses (/v1/responses with store) kept at most; 0 keeps none")
     parser.add_argument("--max-body-bytes", type=int, default=int(env("OPENAI_MAX_BODY_BYTES", str(1 << 20))),
                         help="a request body past this many bytes is refused (413) before it is read")
+    parser.add_argument("--body-timeout", type=float, default=float(env("OPENAI_BODY_TIMEOUT", "30")),
+                        help="seconds for a request body to arrive whole; past it, 408")
+    parser.add_argument("--send-buffer-bytes", type=int, default=int(env("OPENAI_SEND_BUFFER_BYTES", str(1 << 16))),
+                        help="each connection's send buffer: what a client that stops reading can hold here")
+    parser.add_argument("--stall-timeout", type=float, default=float(env("OPENAI_STALL_TIMEOUT", "30")),
+                        help="seconds a client may read nothing with its send buffer full before its connection is reset")
     parser.add_argument("--responses-store-seconds", type=float, default=float(env("RESPONSES_STORE_SECONDS", "3600")),
                         help="how long a stored response is kept")
     args = parser.parse_args(argv)
@@ -73,12 +83,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--responses-store-size (RESPONSES_STORE_SIZE) must be >= 0 and --responses-store-seconds > 0")
     if args.max_body_bytes < 1:
         parser.error("--max-body-bytes (OPENAI_MAX_BODY_BYTES) must be >= 1")
+    if not (0 < args.body_timeout < float("inf") and 0 < args.stall_timeout < float("inf")):
+        parser.error("--body-timeout (OPENAI_BODY_TIMEOUT) and --stall-timeout (OPENAI_STALL_TIMEOUT) must be seconds > 0")
+    if args.send_buffer_bytes < 4096:
+        parser.error("--send-buffer-bytes (OPENAI_SEND_BUFFER_BYTES) must be >= 4096")
     if not 0 <= args.drain_timeout < float("inf"):
         parser.error("--drain-timeout (DRAIN_TIMEOUT) must be a number of seconds >= 0")
     settings = Settings(args.triton_url, args.model_name, args.request_timeout,
                         api_keys(args.api_keys, args.api_keys_file), args.triton_pid, args.launcher_state,
                         args.drain_timeout, args.max_model_len, args.responses_store_size, args.responses_store_seconds,
-                        args.max_body_bytes)
+                        args.max_body_bytes, args.body_timeout)
     log = logging.getLogger("openai_frontend")
     log.info("OpenAI API for %r: waiting for Triton (gRPC %s) to be ready before answering on :%d",
              settings.model_name, settings.triton_url, args.port)
@@ -89,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"{len(settings.api_keys)} API keys" if settings.api_keys else "no API keys (open)")
 
     app = create_app(settings, on_ready=ready)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), app.state.drain)
+    http = protocol(args.send_buffer_bytes, args.stall_timeout, app.state.metrics.stalled)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=http), app.state.drain)
     signal.signal(signal.SIGUSR1, server.drain_only)
     server.run()
     return 0

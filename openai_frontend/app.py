@@ -69,6 +69,7 @@ class Settings:
     responses_store_size: int = 1000  # stored responses kept at most (openai_frontend/responses.py)
     responses_store_seconds: float = 3600.0  # and for how long
     max_body_bytes: int = 1 << 20  # a request body past this is refused unread (413)
+    body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 past it)
 
 
 class Restarts(Collector):
@@ -101,6 +102,8 @@ class Metrics:
         self.prompt_tokens = Counter("openai_prompt_tokens_total", "Prompt tokens of answered requests", registry=r)
         self.completion_tokens = Counter("openai_completion_tokens_total", "Tokens generated for answered requests", registry=r)
         self.in_flight = Gauge("openai_requests_in_flight", "Requests being answered", registry=r)
+        self.stalled = Counter("openai_stalled_connections_total", "Connections reset after their client read nothing "
+                               "for OPENAI_STALL_TIMEOUT seconds (openai_frontend/connections.py)", registry=r)
 
 
 def _pipeline_prompts(body: GenerationFields, base: dict, n: int) -> list[Prompt]:
@@ -191,7 +194,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) 
         await triton.close()
 
     app = FastAPI(title="triton-chat OpenAI-compatible API", lifespan=lifespan)
-    app.state.drain = drain
+    app.state.drain, app.state.metrics = drain, metrics
     app.add_middleware(Gate, settings=settings, metrics=metrics, drain=drain, readiness=readiness)
     _answer_errors(app)
     _serve_status(app, settings, readiness, metrics, drain)
@@ -378,19 +381,25 @@ def _check_model(model: str, settings: Settings) -> None:
         raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r} (GET /v1/models)",
                        "model", "model_not_found")
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, limit: int, seconds: float) -> bytes:
     """The request body, refused with a 413 before it is read past ``limit`` bytes: at once from its
     Content-Length, or as a chunked one passes the limit. A body the pipeline would refuse anyway must not
-    be held whole first (a hundred 70 MB bodies at once held 7 GB)."""
+    be held whole first (a hundred 70 MB bodies at once held 7 GB). One that has not arrived whole within
+    ``seconds`` gets a 408: a client sending a byte a second holds a connection, not the server."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is {int(declared)} bytes; the limit is {limit} bytes (OPENAI_MAX_BODY_BYTES)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body passed the limit of {limit} bytes (OPENAI_MAX_BODY_BYTES)")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body passed the limit of {limit} bytes (OPENAI_MAX_BODY_BYTES)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {seconds:g} s (OPENAI_BODY_TIMEOUT); "
+                            f"{size} bytes came") from None
     return b"".join(chunks)
 
 
@@ -398,7 +407,7 @@ async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Bo
                  openai: bool = True) -> Body:
     """The body as ``schema`` (or the schema ``schema`` picks for the body), or a 400 that names the field.
     ``openai``: OpenAI's fields this server does not do are refused by name, their off values dropped."""
-    raw = await _body(request, settings.max_body_bytes)
+    raw = await _body(request, settings.max_body_bytes, settings.body_timeout)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -14,10 +14,11 @@ RETRY_AFTER_SECONDS = 1
 STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499, "timeout": 504}
 # OpenAI's: every client mistake is an invalid_request_error (the code says which), a failure of ours a
 # server_error; overload and a deadline keep names of their own, as vLLM's do.
-ERROR_TYPES = {503: "service_unavailable", 504: "timeout"}
+ERROR_TYPES = {408: "timeout", 503: "service_unavailable", 504: "timeout"}
+UNREAD_BODY = (408, 413)  # refused before the body was read whole: the connection closes, the rest unread
 # Anthropic's error types by status (its Messages API, openai_frontend/messages.py).
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large",
                    429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
@@ -47,8 +48,10 @@ class APIError(Exception):
 
     def response(self, anthropic: bool = False) -> JSONResponse:
         """OpenAI's error object, or Anthropic's (on its Messages API's routes)."""
-        retry = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
-        return JSONResponse(self.anthropic() if anthropic else self.body(), status_code=self.status, headers=retry)
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.status == 503 else {}
+        if self.status in UNREAD_BODY:
+            headers["Connection"] = "close"
+        return JSONResponse(self.anthropic() if anthropic else self.body(), status_code=self.status, headers=headers)
 
 
 class ClientGone(Exception):

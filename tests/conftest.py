@@ -121,8 +121,6 @@ def openai_frontend(server: TritonServer, model_dir: Path, tmp_path_factory: pyt
     yield from running_frontend(server, model_dir, tmp_path_factory)
 
 
-
-
 @pytest.fixture
 def openai_client(openai_frontend: OpenAIFrontend):
     """The official ``openai`` client on the session's front end, without its retries (they hide errors)."""

@@ -431,6 +431,44 @@ def test_a_client_that_disconnects_frees_its_row(openai_frontend, model, llm_met
     assert "the client went away" in log and "Traceback" not in log  # one line each, no stack
 
 
+@pytest.fixture(scope="module")
+def impatient_frontend(server, model_dir, tmp_path_factory):
+    """A front end that resets a client reading nothing for 2 s, with a 4 KiB send buffer."""
+    from tests.conftest import running_frontend
+
+    yield from running_frontend(server, model_dir, tmp_path_factory, OPENAI_STALL_TIMEOUT="2",
+                                OPENAI_SEND_BUFFER_BYTES="4096")
+
+
+def test_a_client_that_stops_reading_a_stream_is_reset_and_its_row_freed(impatient_frontend, model, llm_metric):
+    """A stream whose client reads nothing (a small receive window, never emptied): once the buffers are
+    full for OPENAI_STALL_TIMEOUT, its connection is reset and llm stops generating for it."""
+    wait_idle(llm_metric)
+    before = llm_metric("llm_generation_tokens_total")
+    body = json.dumps({"model": model, "messages": CHAT, "max_tokens": 512, "ignore_eos": True, "stream": True,
+                       "logprobs": True, "top_logprobs": 5}).encode()  # about 700 bytes an event
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", impatient_frontend.port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        assert sock.recv(12) == b"HTTP/1.1 200"  # and then it reads nothing more
+        deadline = time.monotonic() + 120
+        while "openai_stalled_connections_total 1.0" not in requests.get(f"{impatient_frontend.url}/metrics", timeout=10).text:
+            assert time.monotonic() < deadline, "the stuck client was never reset"
+            time.sleep(0.5)
+        wait_idle(llm_metric)
+        assert llm_metric("llm_requests_running") == 0
+        assert llm_metric("llm_generation_tokens_total") - before < 512  # stopped before its 512 tokens
+    finally:
+        sock.close()
+    assert post(impatient_frontend, "chat/completions", {"model": model, "messages": CHAT, "max_tokens": 2}).status_code == 200
+    log = impatient_frontend.log_path.read_text(errors="replace")
+    assert "read nothing for 2 s (OPENAI_STALL_TIMEOUT)" in log and "the client went away" in log
+    assert "Traceback" not in log and "ASGI callable" not in log
+
+
 def test_the_front_end_has_its_own_prometheus_metrics(openai_frontend, openai_client, model):
     openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
     text = requests.get(f"{openai_frontend.url}/metrics", timeout=30).text
