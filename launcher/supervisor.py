@@ -35,7 +35,7 @@ POLL_SECONDS = 0.5
 
 
 class Child(Protocol):
-    """What the supervisor needs of tritonserver and the front end (launcher/triton.py, launcher/frontend.py)."""
+    """What the supervisor needs of tritonserver and the front end (launcher/tritonserver.py, launcher/frontend.py)."""
 
     process: subprocess.Popen
 
@@ -93,12 +93,12 @@ class Restarts:
     window: float
     times: deque = field(default_factory=deque)
     backoff: float = FIRST_BACKOFF
-    started: float = field(default_factory=time.monotonic)
+    ready_since: float | None = field(default_factory=time.monotonic)  # None: started again, not ready yet
 
     def next_delay(self, code: int) -> float:
         """Seconds to wait before starting the child again; raises RuntimeError past the limit."""
         now = time.monotonic()
-        if now - self.started > HEALTHY_SECONDS:
+        if self.ready_since is not None and now - self.ready_since > HEALTHY_SECONDS:
             self.backoff = FIRST_BACKOFF
         while self.times and now - self.times[0] > self.window:
             self.times.popleft()
@@ -141,7 +141,7 @@ def _look(name: str, w: Watched, state: State, on_triton_exit: Callable[[], None
     now, process = time.monotonic(), w.child.process
     if w.restart_at is not None:
         if now >= w.restart_at:
-            w.restart_at, w.starting_since = None, now
+            w.restart_at, w.starting_since, w.policy.ready_since = None, now, None
             w.child.start()
             state.restarts[name] = state.restarts.get(name, 0) + 1
             if name == "tritonserver":
@@ -159,7 +159,7 @@ def _look(name: str, w: Watched, state: State, on_triton_exit: Callable[[], None
     elif w.starting_since is not None:
         if w.child.ready():
             log.info("%s is serving again", name)
-            w.starting_since, w.policy.started = None, time.monotonic()
+            w.starting_since, w.policy.ready_since = None, time.monotonic()
         elif now - w.starting_since > startup_timeout:
             log.error("%s did not come back within %g s: ending it", name, startup_timeout)
             os.killpg(process.pid, signal.SIGKILL)  # started with start_new_session: it and its children

@@ -35,7 +35,7 @@ def test_a_healthy_minute_resets_the_backoff_and_old_restarts_leave_the_window(m
     monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
     policy = Restarts("openai_frontend", limit=2, window=100)
     assert [policy.next_delay(1), policy.next_delay(1)] == [1, 2]
-    policy.started = now[0]
+    policy.ready_since = now[0]
     now[0] += supervisor.HEALTHY_SECONDS + 50  # up a healthy minute, and the first two restarts are past the window
     assert policy.next_delay(1) == 1
 
@@ -94,6 +94,29 @@ def test_one_childs_backoff_or_start_up_never_hides_the_others_death(monkeypatch
     assert now[0] < 12  # not held up by the front end's start-up timeout (1800 s)
     assert frontend.starts == 1 and triton.starts == 1 and ended == [3.0]  # its stubs ended (the last: by stop)
     assert state.triton_pid == triton.process.pid and state.restarts == {"openai_frontend": 1, "tritonserver": 1}
+
+
+def test_a_child_that_dies_before_it_is_ready_backs_off_doubling(monkeypatch, tmp_path):
+    """A healthy minute resets the backoff only once the child served it: one that never gets ready (a
+    model that fails to load) is started again after 1, 2, 4 s, not every second."""
+    now, starts = [0.0], []
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(supervisor.time, "sleep", lambda seconds: now.__setitem__(0, now[0] + seconds))
+    monkeypatch.setenv("RESTART_LIMIT", "3")
+    child = FakeChild()
+    now[0] = 1000.0  # long after it was first ready
+    child.process.code, child.is_ready = 1, False
+
+    def start() -> FakeChild:
+        starts.append(now[0])
+        child.process = FakeProcess()
+        child.process.code = 1  # it exits at once, every time
+        return child
+
+    child.start = start
+    with pytest.raises(RuntimeError, match="after 3 restarts"):
+        supervisor.keep_serving({"tritonserver": child}, supervisor.State(tmp_path / "s.json"), lambda: None, 60)
+    assert [round(b - a) for a, b in zip(starts, starts[1:])] == [2, 4]
 
 
 def test_a_child_not_ready_within_the_start_up_timeout_is_ended_and_counted(monkeypatch, tmp_path):
