@@ -15,10 +15,10 @@ from typing import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from bench.static_llm import StaticGenerator
 from llm import LLM, LLMConfig
 from llm.compiles import COMPILATIONS
 from llm.sequence import Sequence
+from llm.reference import StaticGenerator
 
 SHAPES = {  # layers, heads and widths of public models
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from bench.static_llm import StaticGenerator, StaticLoop
+from bench.static_llm import StaticLoop
+from llm.reference import StaticGenerator
 from llm import LLM, LLMConfig, configure_threads, load_model
 from triton_glue import llm_model
 from triton_glue.params import read_parameters

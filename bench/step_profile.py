@@ -15,7 +15,7 @@ import time
 import torch
 
 from bench.roofline import bandwidth
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from llm import LLM, LLMConfig
 from llm.sequence import Sequence
 
@@ -25,7 +25,7 @@ def step_seconds(llm: LLM, engine, rows: int, columns: int, steps: int) -> float
     seqs = [Sequence(llm.validate(list(range(10, 10 + columns)), steps, ignore_eos=True)) for _ in range(rows)]
     for seq in seqs:
         engine.add(seq)
-    while any(s.cached < columns for s in seqs):
+    while any(s.computed_tokens < columns for s in seqs):
         engine.step()
     began, count = time.perf_counter(), 0
     while engine.has_work:

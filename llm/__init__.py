@@ -8,19 +8,20 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from contract.paths import GGUF_NAME, HF_WEIGHTS, allowed_folder
+from contract.folders import GGUF_NAME, HF_WEIGHTS, allowed_folder
 from contract.schema import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from contract.tokenizer import decode_text, load_tokenizer, vocab_fingerprint
 from llm import gguf_weights, kernels, quant
 from llm.engine import Engine
 from llm.grammar import Grammars
-from llm.kv import BLOCK_SIZE, BlockHasher, BlockTable, cache_slots
+from llm.kv import BLOCK_SIZE, BlockHasher, KVManager, cache_slots
 from llm.model import Decoder
 from llm.compiles import Progress
 from llm.runner import ModelRunner
 from llm.request import GenerationRequest, Limits, SamplingParams, validate
 from llm.scheduler import Scheduler
-from llm.sequence import Metrics
+from llm.metrics import EngineMetrics
+from llm.sampling import BatchSampler
 from llm.shapes import Shapes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -170,30 +171,31 @@ class LLM:
         self.limits = Limits(self.vocab_size, self.room, config.default_max_tokens, config.max_tokens_limit,
                              config.max_stop_count, config.max_stop_bytes, self.fingerprint)
 
-    def engine(self, metrics: Metrics | None = None, progress: Progress | None = None,
+    def engine(self, metrics: EngineMetrics | None = None, progress: Progress | None = None,
                pad: bool | None = None) -> Engine:
         """A fresh engine (empty cache table) on this model's weights and cache; one runs at a time.
         Compiled, it is ready when this returns: every shape it will run has run (``llm/runner.py``).
         ``pad`` forces the GPU's padding rules on or off (``llm/shapes.py``); by default they follow the
         device. ``progress`` logs the start-up as it goes."""
-        c, metrics = self.config, metrics or Metrics()
-        table = BlockTable(c.kv_cache_tokens, c.max_running_requests, self.room, self.device)
-        scheduler = Scheduler(
-            table, max_running=c.max_running_requests, max_batched_tokens=c.max_batched_tokens,
-            max_queued_requests=c.max_queued_requests, max_queue_seconds=c.max_queue_seconds, metrics=metrics,
-        )
-        pad = self.device.type == "cuda" if pad is None else pad
-        shapes = Shapes.plan(pad, c.max_running_requests, table.slots.shape[1], c.max_batched_tokens)
-        if progress is not None and c.compile:
-            progress.phase(f"compiling and running {len(shapes.warm_up())} step shapes"
-                           f"{', capturing the decode shapes as CUDA graphs' if self.device.type == 'cuda' else ''}")
-        runner = ModelRunner(self.decoder, table, self.device, c.compile, shapes,
-                             progress.status if progress is not None else lambda text: None)
-        self.grammars.prepare()
+        c, metrics = self.config, metrics or EngineMetrics()
         # The model's folder, dtype and vocabulary lead every block's hash chain: one engine serves one
         # model, and a key written for another is never taken for its own.
         hasher = BlockHasher(f"{c.model_dir}\0{self.dtype}\0{self.weights}\0{self.fingerprint}") if c.prefix_caching else None
-        return Engine(runner, scheduler, self.eos_ids, self.decode, metrics, self.grammars, hasher)
+        kv = KVManager(c.kv_cache_tokens, c.max_running_requests, self.room, self.device, hasher)
+        scheduler = Scheduler(
+            kv, max_running=c.max_running_requests, max_batched_tokens=c.max_batched_tokens,
+            max_queued_requests=c.max_queued_requests, max_queue_seconds=c.max_queue_seconds, metrics=metrics,
+        )
+        pad = self.device.type == "cuda" if pad is None else pad
+        shapes = Shapes.plan(pad, c.max_running_requests, kv.slots.shape[1], c.max_batched_tokens)
+        if progress is not None and c.compile:
+            progress.phase(f"compiling and running {len(shapes.warm_up())} step shapes"
+                           f"{', capturing the decode shapes as CUDA graphs' if self.device.type == 'cuda' else ''}")
+        runner = ModelRunner(self.decoder, kv, self.device, c.compile, shapes,
+                             progress.status if progress is not None else lambda text: None)
+        self.grammars.prepare()
+        sampler = BatchSampler(c.max_running_requests, self.device, self.eos_ids)
+        return Engine(runner, scheduler, sampler, self.decode, metrics, self.grammars)
 
     def decode(self, ids: list[int]) -> str:
         return decode_text(self.tokenizer, ids)

@@ -1,4 +1,5 @@
-"""The KV budget in blocks, every admitted request's cache slots in one table, and the prefix cache.
+"""The KV manager: the KV budget in blocks, every admitted request's cache slots in one table, and the
+prefix cache.
 
 As in vLLM's paged attention and nano-vllm's block manager: the cache holds ``kv_cache_tokens`` slots per
 layer, allocated once and cut into blocks of ``BLOCK_SIZE`` slots. A request reserves, when admitted, the
@@ -23,7 +24,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -61,8 +63,25 @@ class BlockHasher:
         return hashes
 
 
-class BlockTable:
-    def __init__(self, kv_cache_tokens: int, max_rows: int, max_tokens_per_row: int, device: torch.device) -> None:
+@dataclass
+class _Row:
+    """What the manager holds for one admitted request: its blocks, its full blocks' hashes so far, how
+    many of them are registered, and the salt its chain starts from."""
+
+    blocks: list[int]
+    hashes: list[bytes]
+    registered: int
+    salt: str | None
+
+
+class KVManager:
+    """The one owner of the cache's blocks: ref counts, the hash chain, lookup, registration as blocks
+    fill, the LRU of freed registered blocks, and forgetting them. ``hasher`` None turns prefix caching
+    off: nothing is hashed, looked up or registered."""
+
+    def __init__(self, kv_cache_tokens: int, max_rows: int, max_tokens_per_row: int, device: torch.device,
+                 hasher: BlockHasher | None = None) -> None:
+        self.hasher = hasher
         self.blocks = kv_cache_tokens // BLOCK_SIZE
         self._free_blocks = list(range(self.blocks, 0, -1))  # holding nothing worth keeping; pop() gives the lowest
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free but registered, least recently freed first
@@ -70,10 +89,14 @@ class BlockTable:
         self._hash_of: dict[int, bytes] = {}
         self._refs = [0] * (self.blocks + 1)  # rows holding each block
         self._free_rows = list(range(max_rows, 0, -1))
-        self._held: dict[int, list[int]] = {}
+        self._rows: dict[int, _Row] = {}
         width = blocks_for(max_tokens_per_row) * BLOCK_SIZE
         self.slots = torch.zeros((max_rows + 1, width), dtype=torch.long, device=device)
         self._offsets = torch.arange(BLOCK_SIZE, device=device)
+
+    @property
+    def caching(self) -> bool:
+        return self.hasher is not None
 
     @property
     def used_tokens(self) -> int:
@@ -85,7 +108,12 @@ class BlockTable:
         """Registered blocks, in use or evictable."""
         return len(self._hash_of)
 
-    def cached(self, hashes: Sequence[bytes]) -> list[int]:
+    def prompt_hashes(self, input_ids: Sequence[int], salt: str | None) -> list[bytes]:
+        """The hashes of a prompt's full blocks (none while caching is off). Called on the submitting
+        thread, so a long prompt's hashing never holds up a step."""
+        return self.hasher.chain(self.hasher.root(salt), input_ids) if self.hasher is not None else []
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The registered blocks of the longest prefix of ``hashes``."""
         found = []
         for h in hashes:
@@ -95,37 +123,54 @@ class BlockTable:
             found.append(block)
         return found
 
-    def fits(self, tokens: int, prefix: Sequence[int] = ()) -> bool:
-        """Whether a row and the blocks for ``tokens`` are free, the cached ``prefix`` blocks reused."""
-        taken = sum(1 for block in prefix if self._refs[block])  # in use: they cost nothing more
+    def computed_blocks(self, hashes: Sequence[bytes], prompt_tokens: int) -> list[int]:
+        """The blocks of a prompt's prefix already in the cache, never the one holding its last token:
+        that token's logits are needed, so it is always computed (and a shared block never written)."""
+        return self.lookup(hashes[:(prompt_tokens - 1) // BLOCK_SIZE])
+
+    def can_allocate(self, tokens: int, computed: Sequence[int] = ()) -> bool:
+        """Whether a row and the blocks for ``tokens`` are free, the ``computed`` blocks reused."""
+        taken = sum(1 for block in computed if self._refs[block])  # in use: they cost nothing more
         return bool(self._free_rows) and blocks_for(tokens) - taken <= len(self._free_blocks) + len(self._evictable)
 
-    def reserve(self, tokens: int, prefix: Sequence[int] = ()) -> int:
-        """A row whose first ``tokens`` positions have slots, the first ones in the cached ``prefix``
-        blocks and the rest its own; ``fits`` must be true."""
-        for block in prefix:
+    def allocate(self, tokens: int, computed: Sequence[int] = (), hashes: Sequence[bytes] = (),
+                 salt: str | None = None) -> int:
+        """A row whose first ``tokens`` positions have slots, the first ones in the ``computed`` blocks and
+        the rest its own; ``can_allocate`` must be true. ``hashes`` (the prompt's) and ``salt`` continue
+        its chain as its reply fills blocks."""
+        for block in computed:
             self._evictable.pop(block, None)
             self._refs[block] += 1
-        blocks = list(prefix) + [self._take() for _ in range(blocks_for(tokens) - len(prefix))]
+        blocks = list(computed) + [self._take() for _ in range(blocks_for(tokens) - len(computed))]
         row = self._free_rows.pop()
-        self._held[row] = blocks
+        self._rows[row] = _Row(blocks, list(hashes), len(computed), salt)
         first = torch.tensor(blocks, device=self.slots.device)[:, None] * BLOCK_SIZE
         self.slots[row, : len(blocks) * BLOCK_SIZE] = (first + self._offsets).flatten()
         return row
 
-    def register(self, row: int, index: int, block_hash: bytes) -> None:
-        """The ``index``-th block of ``row`` is full, its tokens hashing to ``block_hash``. When another
-        block already holds those keys (two rows prefilled the same prefix at once), this one stays
-        unregistered and is plainly freed with its row."""
-        block = self._held[row][index]
-        if block_hash not in self._block_of and block not in self._hash_of:
-            self._block_of[block_hash] = block
-            self._hash_of[block] = block_hash
+    def cache_full_blocks(self, row: int, computed_tokens: int, token_at: Callable[[int], int]) -> None:
+        """Register the blocks of ``row`` its first ``computed_tokens`` positions filled: those of its
+        prompt were hashed when it came, those of its reply are hashed here as they fill (a
+        conversation's next turn re-sends the reply). When another block already holds the same keys
+        (two rows prefilled the same prefix at once), this one stays unregistered and is plainly freed."""
+        if self.hasher is None:
+            return
+        held = self._rows[row]
+        while held.registered < computed_tokens // BLOCK_SIZE:
+            i = held.registered
+            if i == len(held.hashes):
+                parent = held.hashes[-1] if i else self.hasher.root(held.salt)
+                held.hashes += self.hasher.chain(parent, [token_at(p) for p in range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)])
+            block, block_hash = held.blocks[i], held.hashes[i]
+            if block_hash not in self._block_of and block not in self._hash_of:
+                self._block_of[block_hash] = block
+                self._hash_of[block] = block_hash
+            held.registered += 1
 
-    def release(self, row: int) -> None:
+    def free(self, row: int) -> None:
         """Free ``row``; its blocks no other row holds become free, the registered ones evictable, the
         tail first (as vLLM: a prefix's later blocks are the less likely to be asked for again)."""
-        for block in reversed(self._held.pop(row)):
+        for block in reversed(self._rows.pop(row).blocks):
             self._refs[block] -= 1
             if self._refs[block]:
                 continue

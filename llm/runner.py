@@ -21,18 +21,19 @@ from typing import Callable
 import torch
 
 from llm import model
-from llm.kv import BlockTable
+from llm.kv import KVManager
 from llm.scheduler import Step
+from llm.sequence import TokenLogprobs
 from llm.shapes import MIN_SIZE, Shape, Shapes
 
 
 class ModelRunner:
-    def __init__(self, decoder: model.Decoder, table: BlockTable, device: torch.device, compile: bool,
+    def __init__(self, decoder: model.Decoder, kv: KVManager, device: torch.device, compile: bool,
                  shapes: Shapes, progress: Callable[[str], None] = lambda text: None) -> None:
         """``shapes`` says how steps are padded (``Shapes.plan``); ``progress`` hears what the warm-up is
         doing, shape by shape (``llm.compiles.Progress.status``)."""
         self.decoder = decoder
-        self.table = table
+        self.kv = kv
         self.device = device
         self.shapes = shapes
         self.warmed: frozenset[Shape] = frozenset()  # the shapes run at load
@@ -102,6 +103,18 @@ class ModelRunner:
         graph.replay()
         return logits[:sampled]
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprobs]:
+        """Each prompt token after the first: its log-probability given the ones before it (the model's
+        own distribution, as for generated tokens) and the ``k`` most likely tokens there, by a pass of
+        the prompt's own, eager, that neither reads nor writes the cache."""
+        tokens = torch.tensor(ids, device=self.device)
+        logprobs = self.decoder.prompt_logits(tokens)[:-1].log_softmax(-1)
+        chosen = logprobs.gather(1, tokens[1:, None])[:, 0].tolist()
+        best = logprobs.topk(k, -1) if k else None
+        return [TokenLogprobs(lp, best.indices[i].tolist() if k else [], best.values[i].tolist() if k else [])
+                for i, lp in enumerate(chosen)]
+
     def _call(self, shape: Shape, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return (self._decode if shape.kind == "decode" else self._mixed)(*args)
 
@@ -117,23 +130,23 @@ class ModelRunner:
 
     def _decode_inputs(self, step: Step) -> tuple[Shape, tuple[torch.Tensor, ...], int]:
         seqs = step.decode
-        shape = self.shapes.decode(len(seqs), max(s.cached for s in seqs) + 1)
+        shape = self.shapes.decode(len(seqs), max(s.computed_tokens for s in seqs) + 1)
         pad = [0] * (shape.tokens - len(seqs))  # padding rows: row 0, position 0, the scratch slot
         rows = torch.tensor([s.row for s in seqs] + pad, device=self.device)
-        positions = torch.tensor([s.cached for s in seqs] + pad, device=self.device)
-        ids = torch.tensor([s.token_at(s.cached) for s in seqs] + pad, device=self.device)
-        slots = self.table.slots
+        positions = torch.tensor([s.computed_tokens for s in seqs] + pad, device=self.device)
+        ids = torch.tensor([s.token_at(s.computed_tokens) for s in seqs] + pad, device=self.device)
+        slots = self.kv.slots
         args = (ids, positions, slots[rows, positions], slots[rows, :shape.columns], positions + 1)
         return shape, args, len(seqs)
 
     def _mixed_inputs(self, step: Step) -> tuple[Shape, tuple[torch.Tensor, ...], int]:
         """Decode rows first, then each prompt chunk (the decoder's ``Context.step``). Without padding (CPUs) the decode
         rows are graph inputs, at least MIN_SIZE of them; padded (GPUs), ``mixed_attention`` takes them."""
-        slots, device, inline = self.table.slots, self.device, not self.shapes.pad
+        slots, device, inline = self.kv.slots, self.device, not self.shapes.pad
         pad = [0] * (max(len(step.decode), MIN_SIZE) - len(step.decode) if inline else 0)  # row 0, position 0
         rows = [s.row for s in step.decode] + pad
-        positions = [s.cached for s in step.decode] + pad
-        ids = [s.token_at(s.cached) for s in step.decode] + pad
+        positions = [s.computed_tokens for s in step.decode] + pad
+        ids = [s.token_at(s.computed_tokens) for s in step.decode] + pad
         logit_rows = list(range(len(step.decode)))
         mixed, decode = model.MixedStep(), ()
         if rows:
@@ -143,10 +156,10 @@ class ModelRunner:
                 mixed.decode_slots, mixed.decode_lengths = decode
                 decode = ()
         for seq, count in step.prefill:
-            mixed.chunks.append(model.PrefillChunk(len(ids), count, seq.cached, slots[seq.row, : seq.cached + count]))
+            mixed.chunks.append(model.PrefillChunk(len(ids), count, seq.computed_tokens, slots[seq.row, : seq.computed_tokens + count]))
             rows += [seq.row] * count
-            positions += range(seq.cached, seq.cached + count)
-            ids += seq.request.input_ids[seq.cached:seq.cached + count]
+            positions += range(seq.computed_tokens, seq.computed_tokens + count)
+            ids += seq.request.input_ids[seq.computed_tokens:seq.computed_tokens + count]
             if count == seq.prompt_left:
                 logit_rows.append(len(ids) - 1)
         self.decoder.context.step = mixed

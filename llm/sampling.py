@@ -1,40 +1,136 @@
-"""Token choice: greedy by default, or seeded sampling with temperature, top-k, min-p and top-p, after each
-request's repetition, presence and frequency penalties, its logit bias and (until min_tokens) its ending
-tokens banned; every setting per request, every pass batched."""
+"""Token choice for the whole step: one ``BatchSampler`` takes the step's logits and its rows and returns
+each row's token and, for the rows that ask, its logprobs. Greedy by default, or seeded sampling with
+temperature, top-k, min-p and top-p, after each request's grammar mask, its repetition, presence and
+frequency penalties, its logit bias and (until min_tokens) its ending tokens banned; every setting per
+request, every pass batched.
+
+As vLLM v1's sampler keeps its rows' parameters in tensors between steps, a request's settings are
+written into per-row tensors once, the first time its row samples, and each step gathers the rows it
+needs from them instead of building them again."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from llm import grammar
 from llm.request import SamplingParams
+from llm.sequence import Sequence, TokenLogprobs
+
+# The float parameters' columns in ``BatchSampler.floats``.
+TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(6)
 
 
-class Sampler:
-    """A request's sampling settings and its own random generator: a row's draws never depend on its
-    batch-mates. The drawing itself is batched (``sample``)."""
+class Sampled(NamedTuple):
+    """One step's choice: a token per row, and per row its logprobs when the request asks (else None)."""
 
-    def __init__(self, params: SamplingParams, device: torch.device, ends: frozenset[int] = frozenset(),
-                 matcher=None) -> None:
-        """``ends``: the tokens that would end the reply (its end-of-turn and stop tokens), held back until
-        it has ``min_tokens``; ``matcher``: the grammar the reply follows (``llm/grammar.py``), if any."""
-        self.params = params
-        self.matcher = matcher
-        self.ends = ends | frozenset(params.stop_token_ids)
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device)
-            if params.seed is None:
-                self.generator.seed()
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class _Row:
+    """A row's sampling state that no tensor holds: its request, the tokens that end its reply (its
+    end-of-turn token unless ``ignore_eos``, and its stop tokens), its grammar and its own generator."""
+
+    seq: Sequence
+    ends: frozenset[int]
+    plain: bool  # greedy with nothing that changes the logits: the batch's one argmax serves it
+    generator: torch.Generator | None
+
+
+class BatchSampler:
+    def __init__(self, rows: int, device: torch.device, eos_ids: set[int]) -> None:
+        """``rows``: the engine's most running requests (rows 1..rows; row 0 is the cache's scratch)."""
+        self.device, self.eos_ids = device, frozenset(eos_ids)
+        self.floats = torch.zeros((rows + 1, 6), dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(rows + 1, dtype=torch.long, device=device)
+        self._rows: list[_Row | None] = [None] * (rows + 1)
+
+    def ends(self, seq: Sequence) -> frozenset[int]:
+        """The tokens that end ``seq``'s reply, not part of it (the update's stop check)."""
+        return self._rows[seq.row].ends
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` left its row: its state goes (its generator, its grammar's matcher)."""
+        if self._rows[seq.row] is not None and self._rows[seq.row].seq is seq:
+            self._rows[seq.row] = None
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """A token for each of ``seqs`` from its row of ``logits`` (float32, left unchanged): one argmax for
+        the plain greedy rows, one batched pass for the rest; then the logprobs the rows ask for, from the
+        model's own distribution."""
+        rows = [self._row(seq) for seq in seqs]
+        tokens = logits.argmax(-1)
+        others = [i for i, r in enumerate(rows) if not r.plain]
+        if others:
+            index = torch.tensor(others, device=logits.device)
+            tokens[index] = self._choose(logits[index], [rows[i] for i in others])
+        chosen = tokens.tolist()
+        return Sampled(chosen, _logprobs(seqs, logits, chosen))
+
+    def _row(self, seq: Sequence) -> _Row:
+        """The state of ``seq``'s row, written the first time it samples."""
+        row = self._rows[seq.row]
+        if row is not None and row.seq is seq:
+            return row
+        request, p = seq.request, seq.request.sampling
+        ends = (frozenset() if request.ignore_eos else self.eos_ids) | frozenset(p.stop_token_ids)
+        generator = None
+        if not p.greedy:
+            generator = torch.Generator(self.device)
+            if p.seed is None:
+                generator.seed()
             else:
-                self.generator.manual_seed(params.seed)
+                generator.manual_seed(p.seed)
+        plain = (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                 and not p.logit_bias and not p.min_tokens and seq.matcher is None)
+        self.floats[seq.row] = torch.tensor([p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                                             p.presence_penalty, p.frequency_penalty], device=self.device)
+        self.top_k[seq.row] = p.top_k
+        self._rows[seq.row] = row = _Row(seq, ends, plain, generator)
+        return row
 
-    @property
-    def plain(self) -> bool:
-        """Greedy with nothing that changes the logits: the batch's one argmax serves this row."""
-        p = self.params
-        return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                and not p.logit_bias and not p.min_tokens and self.matcher is None)
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """A token per row of ``logits`` (a copy, changed in place): the grammar masks, the penalties, then
+        the greedy rows' argmax and the other rows' draws, each a vectorized pass over the rows that need
+        it (as nano-vllm's and vLLM's samplers do). A row's draw uses its own generator only (an
+        exponential race: the argmax of probabilities over exponential noise, the same distribution as
+        multinomial), so a seed gives its row the same tokens whatever its batch-mates."""
+        index = torch.tensor([r.seq.row for r in rows], device=logits.device)
+        floats, params = self.floats[index], [r.seq.request.sampling for r in rows]
+        grammar.mask(logits, [r.seq.matcher for r in rows])
+        _penalize(logits, params, floats, [r.seq for r in rows])
+        _bias(logits, rows)
+        tokens = logits.argmax(-1)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            at = torch.tensor(drawn, device=logits.device)
+            chosen = floats[at]
+            scaled = logits[at] / chosen[:, TEMPERATURE, None]
+            tokens[at] = _draw(scaled, self.top_k[index[at]][:, None], chosen[:, TOP_P, None], chosen[:, MIN_P, None],
+                               [rows[i].generator for i in drawn])
+        return tokens
+
+
+def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprobs | None]:
+    """For the rows that ask: the chosen token's log-probability under the model's own distribution
+    (as vLLM reports it: before temperature and penalties) and the ``top_logprobs`` most likely tokens."""
+    asking = [i for i, seq in enumerate(seqs) if seq.request.top_logprobs is not None]
+    found: list[TokenLogprobs | None] = [None] * len(seqs)
+    if not asking:
+        return found
+    top = max(seqs[i].request.top_logprobs for i in asking)
+    logprobs = logits[asking].float().log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in asking], device=logits.device))[:, 0].tolist()
+    best = logprobs.topk(top, -1) if top else None
+    for j, i in enumerate(asking):
+        k = seqs[i].request.top_logprobs
+        found[i] = TokenLogprobs(chosen[j], best.indices[j, :k].tolist() if k else [],
+                                 best.values[j, :k].tolist() if k else [])
+    return found
 
 
 # A sampled row draws among its most likely tokens first: exact whenever they hold its top-k, or the
@@ -43,42 +139,22 @@ class Sampler:
 CANDIDATES = 1024
 
 
-def sample(samplers: list[Sampler], logits: torch.Tensor, histories: list[tuple[list[int], list[int]]]) -> list[int]:
-    """One token per row of float32 ``logits`` (``[rows, vocabulary]``, changed in place), given each row's
-    (prompt, reply) ids: the penalties, then the greedy rows' argmax and the other rows' draws, each a
-    vectorized pass over the rows that need it (as nano-vllm's and vLLM's samplers do). A row's draw uses
-    its own generator only (an exponential race: the argmax of probabilities over exponential noise, the
-    same distribution as multinomial), so a seed gives its row the same tokens whatever its batch-mates."""
-    params = [s.params for s in samplers]
-    grammar.mask(logits, [s.matcher for s in samplers])
-    _penalize(logits, params, histories)
-    _bias(logits, samplers, histories)
-    tokens = logits.argmax(-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        scaled = logits[index] / _column([params[i].temperature for i in rows], logits)
-        tokens[index] = _draw(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows],
-                              [params[i].min_p for i in rows], [samplers[i].generator for i in rows])
-    return tokens.tolist()
-
-
 def _race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """Each row's draw from ``probs`` (unnormalized, zeros excluded), by its own generator."""
     noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
     return (probs / noise.clamp_min_(1e-20)).argmax(-1)
 
 
-def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+def _draw(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, m: torch.Tensor,
           generators: list[torch.Generator]) -> torch.Tensor:
-    """A token per row of temperature-scaled logits, from the tokens its top-k (0: all) and its min-p (those
-    at least min_p times as likely as the most likely) keep, and then its top-p (the smallest set whose
-    probability reaches it, the crossing token kept) allows."""
+    """A token per row of temperature-scaled logits, from the tokens its top-k ``k`` (0: all) and its min-p
+    ``m`` (those at least m times as likely as the most likely) keep, and then its top-p ``p`` (the
+    smallest set whose probability reaches it, the crossing token kept) allows; ``k``, ``p`` and ``m``
+    are ``[rows, 1]`` columns."""
     vocabulary, device = scaled.shape[1], scaled.device
     width = min(CANDIDATES, vocabulary)
     values, order = scaled.topk(width, -1)  # most likely first
-    k = torch.tensor([k if 0 < k < vocabulary else vocabulary for k in top_k], device=device)[:, None]
-    p, m = _column(top_p, scaled), _column(min_p, scaled)
+    k = torch.where((k > 0) & (k < vocabulary), k, vocabulary)
     floor = values[:, :1] + m.log()  # min_p 0: -inf, no floor
     # The tokens kept lie among the candidates (the top-k does, or the min-p floor falls among them): their
     # distribution is the candidates', renormalized.
@@ -89,20 +165,16 @@ def _draw(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: lis
     reach = probs.cumsum(-1)
     drop |= (p < 1.0) & (reach - probs >= p)
     exact = (within | ((p < 1.0) & (reach[:, -1:] >= p) & (m == 0.0)))[:, 0].tolist()
-    tokens = torch.empty(len(top_k), dtype=torch.long, device=device)
+    tokens = torch.empty(len(generators), dtype=torch.long, device=device)
     near = [i for i, e in enumerate(exact) if e]
     if near:
         picked = _race(probs[near].masked_fill(drop[near], 0.0), [generators[i] for i in near])
         tokens[near] = order[near].gather(1, picked[:, None])[:, 0]
     far = [i for i, e in enumerate(exact) if not e]
     if far:
-        full = _filter(scaled[far], [top_k[i] for i in far], [top_p[i] for i in far], [min_p[i] for i in far])
+        full = _filter(scaled[far], k[far], p[far], m[far])
         tokens[far] = _race(full.softmax(-1), [generators[i] for i in far])
     return tokens
-
-
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,53 +186,55 @@ def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, 
     return ids, real
 
 
-def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], list[int]]]) -> None:
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], floats: torch.Tensor, seqs: list[Sequence]) -> None:
     """The repetition penalty (as transformers' RepetitionPenaltyLogitsProcessor: positive logits of tokens
     already in the prompt or reply shrink, negative ones grow), then OpenAI's presence and frequency
-    penalties on the reply's tokens, each over the rows that ask for it."""
+    penalties on the reply's tokens, each over the rows that ask for it; ``floats`` holds the rows'
+    parameters (``BatchSampler.floats``)."""
+    device = logits.device
     repeat = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeat:
-        ids, _ = _padded([histories[i][0] + histories[i][1] for i in repeat], logits.device)
-        seen = torch.zeros(len(repeat), logits.shape[1], dtype=torch.bool, device=logits.device).scatter_(1, ids, True)
-        penalty, index = _column([params[i].repetition_penalty for i in repeat], logits), torch.tensor(repeat, device=logits.device)
-        x = logits[index]
+        ids, _ = _padded([seqs[i].request.input_ids + seqs[i].output_ids for i in repeat], device)
+        seen = torch.zeros(len(repeat), logits.shape[1], dtype=torch.bool, device=device).scatter_(1, ids, True)
+        index = torch.tensor(repeat, device=device)
+        penalty, x = floats[index, REPETITION, None], logits[index]
         logits[index] = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and histories[i][1]]
+    counted = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and seqs[i].output_ids]
     if counted:
-        ids, real = _padded([histories[i][1] for i in counted], logits.device)
-        counts = torch.zeros(len(counted), logits.shape[1], dtype=logits.dtype, device=logits.device)
+        ids, real = _padded([seqs[i].output_ids for i in counted], device)
+        counts = torch.zeros(len(counted), logits.shape[1], dtype=logits.dtype, device=device)
         counts.scatter_add_(1, ids, real.to(logits.dtype))
-        index = torch.tensor(counted, device=logits.device)
-        logits[index] -= (_column([params[i].frequency_penalty for i in counted], logits) * counts
-                          + _column([params[i].presence_penalty for i in counted], logits) * (counts > 0).to(logits.dtype))
+        index = torch.tensor(counted, device=device)
+        logits[index] -= (floats[index, FREQUENCY, None] * counts
+                          + floats[index, PRESENCE, None] * (counts > 0).to(logits.dtype))
 
 
-def _bias(logits: torch.Tensor, samplers: list[Sampler], histories: list[tuple[list[int], list[int]]]) -> None:
+def _bias(logits: torch.Tensor, rows: list[_Row]) -> None:
     """Each row's logit_bias added to its tokens' logits, and its ending tokens banned while its reply is
     shorter than min_tokens: one scatter over every row's entries."""
-    rows, ids, values = [], [], []
-    for row, (sampler, (_, reply)) in enumerate(zip(samplers, histories)):
-        p = sampler.params
+    at, ids, values = [], [], []
+    for i, row in enumerate(rows):
+        p = row.seq.request.sampling
         for token, bias in p.logit_bias:
-            rows.append(row), ids.append(token), values.append(bias)
-        if len(reply) < p.min_tokens and sampler.matcher is None:  # a grammar decides when it may end
-            for token in sampler.ends:
-                rows.append(row), ids.append(token), values.append(float("-inf"))
-    if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+            at.append(i), ids.append(token), values.append(bias)
+        if len(row.seq.output_ids) < p.min_tokens and row.seq.matcher is None:  # a grammar decides when it may end
+            for token in row.ends:
+                at.append(i), ids.append(token), values.append(float("-inf"))
+    if at:
+        index = (torch.tensor(at, device=logits.device), torch.tensor(ids, device=logits.device))
         logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
-def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    """``logits`` with every token outside each row's top-k (0: all) and below its min-p floor, then outside
-    the smallest set whose probability reaches its top-p (the token that crosses it kept), set to -inf."""
-    logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + _column(min_p, logits).log(), float("-inf"))
-    if not any(0 < k < logits.shape[1] for k in top_k) and all(p >= 1.0 for p in top_p):
+def _filter(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token outside each row's top-k ``k`` and below its min-p floor, then outside
+    the smallest set whose probability reaches its top-p ``p`` (the token that crosses it kept), set to
+    -inf (``[rows, 1]`` columns, ``k`` already the vocabulary where it keeps all)."""
+    vocabulary = logits.shape[1]
+    logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + m.log(), float("-inf"))
+    if not bool(((k < vocabulary) | (p < 1.0)).any()):
         return logits
     ordered, order = logits.sort(-1, descending=True)
-    k = torch.tensor([k if 0 < k < logits.shape[1] else logits.shape[1] for k in top_k], device=logits.device)
-    drop = torch.arange(logits.shape[1], device=logits.device)[None] >= k[:, None]
+    drop = torch.arange(vocabulary, device=logits.device)[None] >= k
     probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
-    p = _column(top_p, logits)
     drop |= (p < 1.0) & (probs.cumsum(-1) - probs >= p)
     return logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))

@@ -19,35 +19,39 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from contract.schema import FinishReason
-from llm.kv import BLOCK_SIZE, BlockTable
-from llm.sequence import Metrics, Overloaded, Sequence
+from llm.kv import BLOCK_SIZE, KVManager
+from llm.metrics import EngineMetrics
+from llm.sequence import Sequence
+
+
+class Overloaded(RuntimeError):
+    """The server is full; the message says which limit, and the client should retry later."""
 
 
 @dataclass
 class Step:
-    """One forward pass: a token for each decoding row, then ``(sequence, count)`` prompt chunks."""
+    """What ``schedule`` decided: one forward pass (a token for each decoding row, then ``(sequence,
+    count)`` prompt chunks), the rows it admitted for it, and the requests that left since the last step
+    (cancelled or expired) with nothing to run."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)  # the rows that get a token from this pass, in logits
+    # order: decode rows, then each sequence whose prompt this pass completes
 
     @property
     def tokens(self) -> int:
         return len(self.decode) + sum(count for _, count in self.prefill)
 
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The rows that get a token from this pass, in logits order: decode rows, then each sequence
-        whose prompt this pass completes."""
-        return self.decode + [s for s, count in self.prefill if count == s.prompt_left]
-
 
 class Scheduler:
-    def __init__(self, blocks: BlockTable, *, max_running: int, max_batched_tokens: int,
-                 max_queued_requests: int, max_queue_seconds: float, metrics: Metrics) -> None:
-        self.blocks = blocks
+    def __init__(self, kv: KVManager, *, max_running: int, max_batched_tokens: int,
+                 max_queued_requests: int, max_queue_seconds: float, metrics: EngineMetrics) -> None:
+        self.kv = kv
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.max_queued_requests = max_queued_requests
@@ -58,7 +62,7 @@ class Scheduler:
         self._lock = threading.Lock()  # add() comes from Triton's thread, the rest from the engine's
 
     def add(self, seq: Sequence) -> None:
-        if seq.request.reserved_tokens > self.blocks.slots.shape[1]:
+        if seq.request.reserved_tokens > self.kv.slots.shape[1]:
             raise ValueError("a request larger than the KV budget can never run; validate() refuses it")
         with self._lock:
             if len(self.waiting) >= self.max_queued_requests:
@@ -77,12 +81,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self, on_admit: Callable[[Sequence], None]) -> tuple[Step, list[Sequence]]:
-        """The next step, and the sequences that left since the last one (cancelled, or expired)."""
+    def schedule(self) -> Step:
+        """The next step: who leaves (cancelled, or expired while waiting), who is admitted, and what runs."""
         self._expire()
-        gone = self._drop_finished()
-        self._admit(on_admit)
-        step = Step(decode=[s for s in self.running if s.prompt_left == 0])
+        step = Step(finished=self._drop_finished(), admitted=self._admit())
+        step.decode = [s for s in self.running if s.prompt_left == 0]
         budget = self.max_batched_tokens - len(step.decode)
         for seq in self.running:
             if budget <= 0:
@@ -91,13 +94,14 @@ class Scheduler:
                 count = min(seq.prompt_left, budget)
                 step.prefill.append((seq, count))
                 budget -= count
-        return step, gone
+        step.sampled = step.decode + [s for s, count in step.prefill if count == s.prompt_left]
+        return step
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished (or failed) sequence's row and blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
-            self.blocks.release(seq.row)
+            self.kv.free(seq.row)
 
     def _expire(self) -> None:
         now = time.perf_counter()
@@ -119,16 +123,21 @@ class Scheduler:
             gone.append(seq)
         return gone
 
-    def _admit(self, on_admit: Callable[[Sequence], None]) -> None:
+    def _admit(self) -> list[Sequence]:
+        """First come, first served, while a row and the blocks for the next request's prompt and reply
+        are free; its prefill starts where the prefix it found in the cache ends."""
+        admitted = []
         with self._lock:
             while self.waiting and len(self.running) < self.max_running:
-                seq = self.waiting[0]
-                prefix = self.blocks.cached(seq.block_hashes[:(len(seq.request.input_ids) - 1) // BLOCK_SIZE])
-                if not self.blocks.fits(seq.request.reserved_tokens, prefix):
+                seq, kv = self.waiting[0], self.kv
+                prompt = len(seq.request.input_ids)
+                computed = kv.computed_blocks(seq.prompt_hashes, prompt)
+                if not kv.can_allocate(seq.request.reserved_tokens, computed):
                     break
                 self.waiting.popleft()
-                seq.row = self.blocks.reserve(seq.request.reserved_tokens, prefix)
-                seq.cached = seq.cached_tokens = len(prefix) * BLOCK_SIZE  # the last prompt token is never among them
-                seq.registered = len(prefix)
+                seq.row = kv.allocate(seq.request.reserved_tokens, computed, seq.prompt_hashes, seq.request.cache_salt)
+                seq.computed_tokens = seq.cached_tokens = len(computed) * BLOCK_SIZE
                 self.running.append(seq)
-                on_admit(seq)
+                admitted.append(seq)
+                self.metrics.admitted(prompt, prompt if kv.caching else 0, seq.cached_tokens)
+        return admitted

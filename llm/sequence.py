@@ -1,4 +1,4 @@
-"""What the engine holds for each request, and the events it reports."""
+"""What the engine holds for each request."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 from contract.schema import FinishReason
 from contract.stops import TextTracker
 from llm.request import GenerationRequest
-from llm.sampling import Sampler
 
 
 class TokenLogprobs(NamedTuple):
@@ -21,38 +20,16 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
-class Overloaded(RuntimeError):
-    """The server is full; the message says which limit, and the client should retry later."""
-
-
-class Metrics:
-    """Engine events for operators. This default records nothing, so the engine needs no server."""
-
-    def admitted(self, prompt_tokens: int, queried_tokens: int, cached_tokens: int) -> None:
-        """A request took a row: its prompt, of which ``queried_tokens`` were looked up in the prefix cache
-        (all, or none while it is off) and ``cached_tokens`` found there."""
-
-    def tokens(self, first: list[float], later: list[float]) -> None:
-        """One step's new tokens: seconds from arrival to a request's first token, and between later ones."""
-
-    def forward(self, rows: int) -> None:
-        """One forward pass over ``rows`` requests."""
-
-    def step(self, running: int, waiting: int, kv_tokens: int, cached_blocks: int) -> None:
-        """After every step, forward pass or not."""
-
-    def overloaded(self) -> None:
-        """A request refused for overload (queue full, or waited too long)."""
-
-    def flush(self) -> None:
-        """Hand what was recorded to wherever it goes (called off the decode loop)."""
-
-
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine: where it is in the cache, what it has generated and why it stopped."""
+    """One request inside the engine: what it has generated, how far its keys are in the cache, and why
+    it stopped. Its blocks are the KV manager's (``llm/kv.py``), its sampling state the batch sampler's
+    (``llm/sampling.py``), both under ``row``."""
 
     request: GenerationRequest
+    stops: TextTracker | None = None  # its stop strings and min_tokens on the reply's text, from ``Engine.add``
+    matcher: Any = None  # its grammar's matcher (llguidance), built by ``Engine.add``
+    prompt_hashes: list[bytes] = field(default_factory=list)  # its prompt's full blocks', from ``Engine.add``
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output id, when the request asks
     prompt_token_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per prompt id after the first, if asked
@@ -60,14 +37,9 @@ class Sequence:
     error: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
-    sampler: Sampler | None = None
-    matcher: Any = None  # its grammar's matcher (llguidance), built when it is submitted
-    text: TextTracker | None = None
-    row: int = 0  # its row of the block table once admitted
-    cached: int = 0  # positions whose keys and values are in the cache
-    cached_tokens: int = 0  # prompt tokens whose keys it found in the prefix cache when admitted
-    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far (``llm/kv.py``)
-    registered: int = 0  # its blocks in the prefix cache, found there or registered once full
+    row: int = 0  # its row of the cache table and of the sampler once admitted; 0 before
+    computed_tokens: int = 0  # positions whose keys and values are in the cache (vLLM's num_computed_tokens)
+    cached_tokens: int = 0  # of them, prompt tokens found in the prefix cache when it was admitted
 
     @property
     def finished(self) -> bool:
@@ -75,7 +47,7 @@ class Sequence:
 
     @property
     def prompt_left(self) -> int:
-        return max(0, len(self.request.input_ids) - self.cached)
+        return max(0, len(self.request.input_ids) - self.computed_tokens)
 
     def token_at(self, position: int) -> int:
         prompt = self.request.input_ids

@@ -48,7 +48,7 @@ class Stopping(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Drain:
+class DrainDeadline:
     """The server is stopping: finish what is held, and at ``deadline`` (``time.time()``) end the rest."""
 
     deadline: float
@@ -62,8 +62,8 @@ class Update:
     updates come in order, the last one with ``finish_reason``, exactly once."""
 
     key: Hashable  # the caller's name for the request (``submit``)
-    ids: list[int]  # output ids from a point the text of the new ones needs: the first ``context`` were given before
-    context: int
+    ids: list[int]  # output ids from a point the text of the new ones needs: the first ``sent_tokens`` were given before
+    sent_tokens: int
     completion_tokens: int  # every id so far
     first: bool  # nothing was given before this update
     finish_reason: FinishReason | None = None
@@ -104,7 +104,7 @@ class EngineLoop:
         on_update: Callable[[Update], None],
         poll: Callable[[], None] = lambda: None,
         on_error: Callable[[str], None] = log.error,
-        draining: Callable[[], Drain | None] = lambda: None,
+        draining: Callable[[], DrainDeadline | None] = lambda: None,
         on_drained: Callable[[], None] = lambda: None,
         stream_interval: int = 1,
     ) -> None:
@@ -276,11 +276,11 @@ def _update(ticket: _Ticket) -> Update | None:
     count = len(seq.output_ids)
     if count == ticket.given and not finished:
         return None
-    start = seq.text.window(ticket.given)
+    start = seq.stops.window(ticket.given)
     request = seq.request
     return Update(
         ticket.key, seq.output_ids[start:count], ticket.given - start, count, first, reason, seq.error,
         seq.token_logprobs[start:count] if request.top_logprobs is not None else None,
         seq.prompt_token_logprobs if first and request.prompt_logprobs is not None else None,
-        seq.text.stop_after(start), seq.cached_tokens,
+        seq.stops.stop_after(start), seq.cached_tokens,
     )

@@ -14,8 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.attention import NAME, use_grouped_attention
-from bench.static_llm import StaticGenerator
+from llm.reference import NAME, StaticGenerator, use_grouped_attention
 from conftest import Letters
 from contract.errors import InvalidInput
 from contract.schema import FinishReason
@@ -23,7 +22,9 @@ from contract.stops import partial_stop_length, visible_text
 from llm import LLM, LLMConfig
 from llm.compiles import COMPILATIONS
 from llm.kv import BLOCK_SIZE, BlockHasher, blocks_for
-from llm.sequence import Metrics, Overloaded, Sequence
+from llm.metrics import EngineMetrics
+from llm.scheduler import Overloaded
+from llm.sequence import Sequence
 from llm.service import EngineLoop
 from llm.shapes import Shape, Shapes
 
@@ -108,10 +109,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_running_rows_keep_decoding(m
     engine = llm.engine()
     steps, schedule = [], engine.scheduler.schedule
 
-    def recorded(on_admit):
-        step, gone = schedule(on_admit)
-        steps.append(step)
-        return step, gone
+    def recorded():
+        steps.append(schedule())
+        return steps[-1]
 
     monkeypatch.setattr(engine.scheduler, "schedule", recorded)
     short = Sequence(llm.validate(PROMPTS[0], 16, ignore_eos=True))
@@ -367,7 +367,7 @@ def test_visible_text_holds_back_what_may_become_a_stop_string():
 
 
 def test_the_baselines_grouped_attention_matches_sdpa(model, llm):
-    """bench/attention.py: the static baseline's attention kernel changes speed, not numbers."""
+    """llm/reference.py: the reference generator's attention kernel changes speed, not numbers."""
     use_grouped_attention(model, torch.device("cpu"))
     assert model.config._attn_implementation == NAME
     ids = torch.tensor([[0, 0, 0, 0, 5, 6, 7], PROMPTS[1]])
@@ -429,7 +429,7 @@ def test_the_port_streams_a_request_in_order_and_ends_it_once(llm):
     updates = port_run(llm, lambda loop: loop.submit(request, "a", every_token=True), 1)["a"]
     assert updates[0].first and not any(u.first for u in updates[1:])
     assert [u.finish_reason for u in updates] == [None] * (len(updates) - 1) + [FinishReason.LENGTH]
-    assert [i for u in updates for i in u.ids[u.context:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
+    assert [i for u in updates for i in u.ids[u.sent_tokens:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
     assert all(len(u.logprobs) == len(u.ids) for u in updates) and updates[-1].completion_tokens == 12
 
 
@@ -448,7 +448,7 @@ def test_the_port_streams_interval_tokens_at_a_time_after_the_first(llm, interva
     new = [u.completion_tokens - before for u, before in zip(streamed, [0] + [u.completion_tokens for u in streamed])]
     assert streamed[0].first and new[0] >= 1 and all(n >= interval for n in new[1:-1]), new
     assert len(streamed) <= 2 + (16 - 1) // interval and streamed[-1].completion_tokens == 16
-    assert [i for u in streamed for i in u.ids[u.context:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
+    assert [i for u in streamed for i in u.ids[u.sent_tokens:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
     assert all(len(u.logprobs) == len(u.ids) for u in streamed)
     assert len(updates["whole"]) == 1
 
@@ -520,16 +520,16 @@ def test_rows_share_cached_blocks_while_other_cached_blocks_are_evicted(model):
               [(p[:32] + random_ids(7, 8), 8), (p[:32] + random_ids(8, 8), 16), (random_ids(9, 40), 16), (random_ids(10, 40), 16)]]
     cached, plain = tiny(model, max_tokens_limit=16), tiny(model, max_tokens_limit=16, prefix_caching=False)
     engine = cached.engine()
-    hashes = [engine.hasher.chain(engine.hasher.root(None), ids) for ids in (p, q)]
+    hashes = [engine.kv.prompt_hashes(ids, None) for ids in (p, q)]
     replies(cached, engine, rounds[:2])
-    table = engine.scheduler.blocks
-    assert len(table.cached(hashes[0])) == len(table.cached(hashes[1])) == 2 and table.used_tokens == 0
+    table = engine.kv
+    assert len(table.lookup(hashes[0])) == len(table.lookup(hashes[1])) == 2 and table.used_tokens == 0
     last = [Sequence(cached.validate(ids, n, ignore_eos=True)) for ids, n in rounds[2]]
     for seq in last:
         engine.add(seq)
     engine.step()
     assert engine.running == last  # shared blocks counted once: 1 + 2 + 4 + 4 new blocks, 2 shared, 2 evicted
-    assert table.cached(hashes[1]) == [] and len(table.cached(hashes[0])) == 2
+    assert table.lookup(hashes[1]) == [] and len(table.lookup(hashes[0])) == 2
     assert table.used_tokens == 13 * BLOCK_SIZE
     run(engine, [])
     assert [s.cached_tokens for s in last] == [32, 32, 0, 0]
@@ -554,7 +554,7 @@ def test_the_kv_budget_counts_a_shared_block_once(model):
 def test_the_engine_reports_the_prompt_tokens_it_looked_up_and_found(model):
     """What the prefix-cache metrics count: every admitted prompt's tokens looked up while the cache is
     on (none while off), and those found."""
-    class Admissions(Metrics):
+    class Admissions(EngineMetrics):
         def __init__(self) -> None:
             self.seen: list[tuple[int, int, int]] = []
 
@@ -578,14 +578,14 @@ def test_requests_share_cached_blocks_only_with_their_own_cache_salt(model, llm)
 def test_a_failed_step_or_prefix_caching_off_leaves_nothing_to_reuse(model, llm):
     engine = llm.engine()
     replies(llm, engine, [[(A, 4)]])
-    assert engine.scheduler.blocks.cached_blocks == 2
+    assert engine.kv.cached_blocks == 2
     engine.fail_all("a device error")
-    assert engine.scheduler.blocks.cached_blocks == 0
+    assert engine.kv.cached_blocks == 0
     assert replies(llm, engine, [[(A, 4)]])[0][0].cached_tokens == 0
     off = tiny(model, prefix_caching=False)
     engine = off.engine()
     assert [replies(off, engine, [[(A, 4)]])[0][0].cached_tokens for _ in range(2)] == [0, 0]
-    assert engine.scheduler.blocks.cached_blocks == 0
+    assert engine.kv.cached_blocks == 0
 
 
 def test_block_hashes_chain_and_name_the_model_and_the_salt():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.static_llm import StaticGenerator
+from llm.reference import StaticGenerator
 from conftest import Letters
 from llm import LLM, LLMConfig, kernels, quant
 from llm.sequence import Sequence

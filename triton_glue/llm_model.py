@@ -16,9 +16,9 @@ from contract.schema import FinishReason, llm_fields
 from llm import LLM, LLMConfig, configure_threads
 from llm.compiles import COMPILATIONS, Progress
 from llm.request import GenerationRequest
-from llm.sequence import Overloaded
-from llm.service import Drain, EngineLoop, Stopping, Update
-from triton_glue import cancel, drain
+from llm.scheduler import Overloaded
+from llm.service import DrainDeadline, EngineLoop, Stopping, Update
+from ipc import cancel, drain_notice
 from triton_glue.metrics import TritonMetrics
 from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar, single
@@ -154,7 +154,7 @@ class TritonPythonModel:
 
     def _poll(self) -> None:
         """On the responder thread: cancel the requests whose clients went away (Triton says so) or whose
-        stream postprocess ended (the cancel board, ``triton_glue/cancel.py``)."""
+        stream postprocess ended (the cancel board, ``ipc/cancel.py``)."""
         for key in self.loop.keys():
             pending = self.pending.get(key)
             if pending is not None and pending.sender.is_cancelled():
@@ -164,12 +164,12 @@ class TritonPythonModel:
             if error is not None:
                 self.loop.cancel(key, FinishReason.ERROR if error else FinishReason.CANCELLED, error or None)
 
-    def _draining(self) -> Drain | None:
-        notice = drain.notice(self.server_pid)
-        return None if notice is None else Drain(notice.deadline, notice.seconds)
+    def _draining(self) -> DrainDeadline | None:
+        notice = drain_notice.notice(self.server_pid)
+        return None if notice is None else DrainDeadline(notice.deadline, notice.seconds)
 
     def _drained(self) -> None:
-        drain.done(os.getpid())
+        drain_notice.done(os.getpid())
         pb_utils.Logger.log_info("llm: drained: every request taken has had its final answer")
 
     def _respond(self, update: Update) -> None:
@@ -190,7 +190,7 @@ class TritonPythonModel:
         else:
             sender.send(response(
                 output_ids=np.array([update.ids], dtype=np.int32),
-                sent_tokens=np.array([[update.context]], dtype=np.int32),
+                sent_tokens=np.array([[update.sent_tokens]], dtype=np.int32),
                 completion_tokens=np.array([[update.completion_tokens]], dtype=np.int32),
                 prompt_tokens=np.array([[len(request.input_ids)]], dtype=np.int32),
                 cached_tokens=np.array([[update.cached_tokens]], dtype=np.int32),

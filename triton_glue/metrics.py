@@ -12,13 +12,13 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from llm.compiles import COMPILATIONS
-from llm.sequence import Metrics
+from llm.metrics import EngineMetrics
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
-class TritonMetrics(Metrics):
+class TritonMetrics(EngineMetrics):
     def __init__(self, model: str, version: str, kv_cache_tokens: int) -> None:
         labels = {"model": model, "version": version}
         families = []  # a family must outlive its metrics, so it lives as long as this object
