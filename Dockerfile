@@ -17,6 +17,7 @@ COPY preprocess/ preprocess/
 COPY llm/ llm/
 COPY postprocess/ postprocess/
 COPY contract/ contract/
+COPY ipc/ ipc/
 COPY triton_glue/ triton_glue/
 COPY launcher/ launcher/
 COPY client/ client/

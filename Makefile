@@ -6,13 +6,14 @@ STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 RUN_ARGS ?=
 
-.PHONY: help venv model run serve serve-triton test bench generate gpu-check clean
+.PHONY: help venv model run serve serve-triton test test-unit bench generate gpu-check clean
 
 help:
 	@echo "make run          install, prepare the model, serve (Triton + OpenAI API), answer PROMPT, keep serving"
 	@echo "make serve        serve Triton (HTTP_PORT, GRPC_PORT, METRICS_PORT) and the OpenAI API (OPENAI_PORT)"
 	@echo "make serve-triton serve Triton alone"
 	@echo "make test         the whole test suite against a real tritonserver (what CI runs)"
+	@echo "make test-unit    the tests that need no server, in under 2 minutes (GGUF conversion's aside)"
 	@echo "make bench        the benchmark (QUICK=1: about 5 minutes; NO_PEERS=1: without llama-server and vLLM)"
 	@echo "make gpu-check    on a GPU host: start-up, nothing compiled under traffic, c=1/16/64, the engine at 1B and 8B shapes"
 	@echo "make generate     write contract/schema.py's request fields into the model configs and docs/api.md"
@@ -44,6 +45,14 @@ serve-triton: venv
 
 test: venv
 	$(BIN)/python -m pytest
+
+# No server: the engine, the sampler, the glue with a stand-in, the front end's logic, static checks of
+# configs, docs and imports; about 80 s on 2 cores. The GGUF file's conversion tests (test_unit_gguf.py,
+# a minute and a half of de-quantizing) run with make test only.
+UNIT_TESTS := $(filter-out tests/test_unit_gguf.py,$(wildcard tests/test_unit_*.py)) tests/test_layers.py \
+	tests/test_generated.py tests/test_repository.py tests/test_docs.py
+test-unit: venv
+	$(BIN)/python -m pytest $(UNIT_TESTS)
 
 # The configs' input and output sections and docs/api.md's field table, from contract/schema.py.
 generate: venv

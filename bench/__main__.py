@@ -38,15 +38,15 @@ import torch
 import tritonclient.grpc.aio as grpcaio
 
 from bench import chat, guidellm, load, peers, perf_analyzer, report, roofline, stall, workload
-from bench.static_llm import StaticGenerator
 from launcher.frontend import OpenAIFrontend
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from launcher.install import has_gpu
 from launcher.paths import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY
 from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 from llm import LLM, LLMConfig, load_model
+from llm.reference import StaticGenerator
 from contract.grammar import llguidance_grammar
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
 

@@ -6,11 +6,14 @@ One ``python -m launcher serve`` on free loopback ports; its capacity is measure
 throughout: streamed chat on the OpenAI API and ``generate_stream`` on Triton's, alternately, each reply
 ``REPLY_TOKENS`` tokens. In turn: ``kill -9`` of the ``llm``, ``preprocess``, ``postprocess`` and
 ``ensemble_infer`` stubs, of ``tritonserver``, of the front end; a SIGSTOP of ``llm``'s stub for 20 s
-then SIGCONT; and last ``kill -9`` of the launcher itself. For each, the requests sent from the kill until
+then SIGCONT; ``SLOW_CLIENTS`` streamed chats whose clients stop reading after the first bytes and as
+many requests whose bodies come a byte a second (the load's latency beside them against before and
+against as many clients that read, each part's peak memory, what the slow clients got); and last
+``kill -9`` of the launcher itself. For each, the requests sent from the kill until
 the service is whole again (a probe's reply is complete, 120 s at most) plus ``SETTLE_SECONDS``: replies
 complete, clear errors (status or event, and its message), and requests lost (no answer within
 ``CLIENT_TIMEOUT``; the goal is none); the time until replies are whole again; resident memory and open
-files of every process of the server before and after. Bounded: about 12 minutes, loopback only.
+files of every process of the server before and after. Bounded: about 15 minutes, loopback only.
 
 Writes ``bench_results/chaos.json`` and prints the table, with the CPU.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,25 +32,27 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import requests
 
 from bench.stop_times import cpu_name
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from launcher.paths import CACHE_DIR, REPO_ROOT
 from launcher.process import Ports
-from triton_glue import stubs
+from ipc import stubs
 
 REPLY_TOKENS = 32
 CLIENT_TIMEOUT = 60.0  # a request unanswered this long is lost
 PROBE_TIMEOUT = 15.0
 CAPACITY_CLIENTS, CAPACITY_SECONDS = 8, 15.0
 SETTLE_SECONDS = 10.0
+SLOW_CLIENTS, SLOW_SECONDS = 200, 40.0  # the baseline window; the stuck one lasts at least as long
 RECOVERY_LIMIT = 120.0
 PROMPT = "Tell me about the sea."
 
 
-class Server:
+class Serving:
     """``python -m launcher serve``, with a marker every process it starts inherits (to find and measure them)."""
 
     def __init__(self, model_dir: Path, log: Path) -> None:
@@ -72,10 +78,12 @@ class Server:
                 continue
         return found
 
-    def footprint(self) -> tuple[float, int]:
-        """Resident MiB and open files of all its processes."""
+    def footprint(self, only: str = "") -> tuple[float, int]:
+        """Resident MiB and open files of all its processes (those whose command line has ``only``)."""
         rss, files = 0, 0
         for pid in self.processes():
+            if only and only.encode() not in _cmdline(pid):
+                continue
             try:
                 rss += int(next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")))
                 files += len(os.listdir(f"/proc/{pid}/fd"))
@@ -93,7 +101,7 @@ class Server:
         if name == "tritonserver":
             return self.triton_pid()
         if name == "openai_frontend":
-            return next(pid for pid in self.processes() if b"openai_frontend" in Path(f"/proc/{pid}/cmdline").read_bytes())
+            return next(pid for pid in self.processes() if b"openai_frontend" in _cmdline(pid))
         return min(stubs.stubs(self.triton_pid())[name.split(" stub")[0]])
 
     def whole(self) -> bool:
@@ -101,7 +109,14 @@ class Server:
         return all(one_request(self, api, PROBE_TIMEOUT) == ("complete", "") for api in ("openai", "triton"))
 
 
-def one_request(server: Server, api: str, timeout: float = CLIENT_TIMEOUT) -> tuple[str, str]:
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def one_request(server: Serving, api: str, timeout: float = CLIENT_TIMEOUT) -> tuple[str, str]:
     """One streamed request: ("complete", ""), ("error", what the client was told) or ("lost", "")."""
     try:
         if api == "openai":
@@ -141,7 +156,7 @@ class Load:
     """Open-loop requests at ``rate`` per second, alternating the two APIs, each on a thread of its own;
     each is recorded when sent, and its outcome when it has one (``stop`` waits for every one)."""
 
-    def __init__(self, server: Server, rate: float) -> None:
+    def __init__(self, server: Serving, rate: float) -> None:
         self.server, self.rate = server, rate
         self.sent: list[dict] = []  # {"at", "api", "outcome"}
         self.stopped = threading.Event()
@@ -161,6 +176,7 @@ class Load:
 
     def _send(self, request: dict) -> None:
         request["outcome"] = one_request(self.server, request["api"])
+        request["seconds"] = time.monotonic() - request["at"]
 
     def between(self, begin: float, end: float) -> list[dict]:
         return [r for r in self.sent if begin <= r["at"] < end]
@@ -172,7 +188,7 @@ class Load:
             thread.join(CLIENT_TIMEOUT + 10)
 
 
-def capacity(server: Server) -> float:
+def capacity(server: Serving) -> float:
     """Complete requests per second, closed loop, both APIs."""
     done, stop = [], time.monotonic() + CAPACITY_SECONDS
 
@@ -189,7 +205,7 @@ def capacity(server: Server) -> float:
     return len(done) / CAPACITY_SECONDS
 
 
-def scenario(server: Server, name: str) -> dict:
+def scenario(server: Serving, name: str) -> dict:
     """Kill (or stop) one process; its window runs from then until the service is whole again and
     ``SETTLE_SECONDS`` more. The requests sent in it are counted once every one has an outcome (``count``)."""
     before = server.footprint()
@@ -223,6 +239,110 @@ def count(result: dict, load: Load) -> dict:
             "lost": counts["lost"], "errors": dict(errors.most_common(4))}
 
 
+def stuck_reader(server: Serving, readers: list) -> None:
+    """A streamed chat request whose client reads the response's first bytes and then nothing more, with a
+    4 KiB receive buffer: what the server wrote for it waits in buffers until it is reset or goes. Its
+    socket, and what it read, join ``readers``."""
+    body = json.dumps({"model": server.model, "stream": True, "max_tokens": REPLY_TOKENS, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": PROMPT}]}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(CLIENT_TIMEOUT)
+    try:
+        sock.connect(("127.0.0.1", server.ports.openai))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: chaos\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        readers.append((sock, sock.recv(1024)))  # the status line, maybe the first event; then it stops reading
+    except OSError:
+        readers.append((sock, b""))
+
+
+def slow_body(server: Serving, stop: threading.Event, answers: list) -> None:
+    """A request whose body comes a byte a second (its Content-Length says 100): what the server answers,
+    and when, or "sent whole" if it read all 100 bytes without cutting the client off."""
+    sock, started = socket.create_connection(("127.0.0.1", server.ports.openai), timeout=5), time.monotonic()
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: chaos\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n")
+        sock.settimeout(1.0)
+        for _ in range(100):
+            try:
+                reply = sock.recv(4096)
+                answers.append((reply.split(b"\r\n")[0].decode(errors="replace") or "closed", time.monotonic() - started))
+                return
+            except TimeoutError:
+                pass
+            if stop.is_set():
+                break
+            sock.sendall(b" ")
+        answers.append(("sent whole" if not stop.is_set() else "still sending", time.monotonic() - started))
+    except OSError as e:
+        answers.append((f"cut: {e.__class__.__name__}", time.monotonic() - started))
+    finally:
+        sock.close()
+
+
+def metric(server: Serving, name: str) -> float:
+    text = requests.get(f"{server.openai}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def burst(targets: list[Callable[[], None]]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=target, daemon=True) for target in targets]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def slow_clients(server: Serving, load: Load) -> dict:
+    """Beside the steady load: ``SLOW_SECONDS`` of nothing more (the baseline); ``SLOW_CLIENTS`` streamed
+    chats at once whose clients read them whole, until the last is (the control: what as many requests
+    cost); then as long again, the same requests from clients that stop reading after the first bytes, and
+    as many bodies sent a byte a second.
+    The load's latency in each window, each part's peak memory in the last, what became of the slow
+    clients; then they go, and what they held must be freed."""
+    parts = {"front end": "openai_frontend", "Triton": "triton"}  # tritonserver and its stubs
+    windows = {"baseline": time.monotonic()}
+    time.sleep(SLOW_SECONDS)
+    windows["readers that read"] = control = time.monotonic()
+    for thread in burst([lambda: one_request(server, "openai")] * SLOW_CLIENTS):
+        thread.join(CLIENT_TIMEOUT + 10)
+    span = max(time.monotonic() - control, SLOW_SECONDS)  # the stuck ones get as long, and their bodies' 408
+    before = {name: server.footprint(only) for name, only in parts.items()}
+    stalled_before = metric(server, "openai_stalled_connections_total")
+    windows["stuck readers and slow bodies"] = begun = time.monotonic()
+    stop, answers, readers = threading.Event(), [], []
+    bodies = burst([lambda: slow_body(server, stop, answers)] * SLOW_CLIENTS)
+    burst([lambda: stuck_reader(server, readers)] * SLOW_CLIENTS)
+    peak = dict(before)
+    while time.monotonic() - begun < span:
+        for name, only in parts.items():
+            peak[name] = max(peak[name], server.footprint(only))
+        time.sleep(1)
+    stalled = metric(server, "openai_stalled_connections_total") - stalled_before
+    stop.set()
+    for sock, _ in readers:
+        sock.close()
+    for thread in bodies:
+        thread.join(10)
+    ended = time.monotonic()
+    time.sleep(SETTLE_SECONDS)
+    after = {name: server.footprint(only) for name, only in parts.items()}
+    bounds = [*windows.values(), ended]
+
+    def latency(begin: float, end: float) -> list[float | None]:
+        done = sorted(r["seconds"] for r in load.between(begin, end) if r["outcome"] and r["outcome"][0] == "complete")
+        return [round(done[min(len(done) - 1, int(q * len(done)))], 2) if done else None for q in (0.5, 0.95)]
+
+    return {"target": f"{SLOW_CLIENTS} stuck readers + {SLOW_CLIENTS} byte-a-second bodies", "window": [begun, ended],
+            "recovery_s": None, "latency_s": {name: latency(a, b) for name, a, b in zip(windows, bounds, bounds[1:])},
+            "stuck_readers": {"opened": len(readers), "got a first event": sum(b"data: " in first for _, first in readers),
+                              "reset for reading nothing": int(stalled)},
+            "slow_bodies": dict(Counter(f"{status} after ~{round(seconds)} s" for status, seconds in answers)),
+            "rss_mib": {name: [round(before[name][0]), round(peak[name][0]), round(after[name][0])] for name in parts},
+            "open_files": {name: [before[name][1], peak[name][1], after[name][1]] for name in parts}}
+
+
 TARGETS = ("llm stub", "preprocess stub", "postprocess stub", "ensemble_infer stub", "tritonserver",
            "openai_frontend", "llm stub stopped 20 s", "launcher")
 
@@ -230,7 +350,7 @@ TARGETS = ("llm stub", "preprocess stub", "postprocess stub", "ensemble_infer st
 def main() -> int:
     model_dir = prepare_default_model()
     log = Path(tempfile.mkdtemp(prefix="chaos-")) / "serve.log"
-    server = Server(model_dir, log)
+    server = Serving(model_dir, log)
     results, load = [], None
     try:
         deadline = time.monotonic() + 900
@@ -244,6 +364,9 @@ def main() -> int:
         load.pacer.start()
         time.sleep(SETTLE_SECONDS)
         for name in TARGETS:
+            if name == "launcher":  # the last: nothing is served after it
+                results.append(slow_clients(server, load))
+                print(json.dumps(results[-1]), flush=True)
             results.append(scenario(server, name))
             print(json.dumps(results[-1]), flush=True)
     finally:
@@ -262,10 +385,21 @@ def main() -> int:
     print("| killed | requests | complete | clear error (most common) | lost | whole again after | RSS MiB before/after "
           "| open files before/after |\n|---|---|---|---|---|---|---|---|")
     for r in results:
+        if "latency_s" in r:
+            continue
         common = "; ".join(f"{m} ({n})" for m, n in list(r["errors"].items())[:2]) or "none"
         print(f"| {r['target']} | {r['requests']} | {r['complete']} | {r['error']}: {common} | {r['lost']} | "
               f"{'never' if r['recovery_s'] is None else str(r['recovery_s']) + ' s'} | {r['rss_mib'][0]} / "
               f"{r['rss_mib'][1]} | {r['open_files'][0]} / {r['open_files'][1]} |")
+    for r in (r for r in results if "latency_s" in r):
+        print(f"\n{r['target']}, beside the load: {r['requests']} requests, {r['complete']} complete, {r['error']} "
+              f"errors, {r['lost']} lost; stuck readers {r['stuck_readers']}; slow bodies {r['slow_bodies']}")
+        print("| the load's latency (p50 / p95 s) | " + " | ".join(r["latency_s"]) + " |\n|---|---|---|---|")
+        print("| | " + " | ".join(f"{p50} / {p95}" for p50, p95 in r["latency_s"].values()) + " |")
+        print("| part | RSS MiB before / peak / after | open files before / peak / after |\n|---|---|---|")
+        for part, rss in r["rss_mib"].items():
+            files = r["open_files"][part]
+            print(f"| {part} | {' / '.join(map(str, rss))} | {' / '.join(map(str, files))} |")
     return 0
 
 

@@ -38,11 +38,11 @@ import torch
 from transformers import AutoTokenizer
 
 from bench import engine_scale, load, roofline, workload
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from launcher.install import has_gpu
 from launcher.paths import REPO_ROOT
 from launcher.process import Ports
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 
 OUT = REPO_ROOT / "bench_results" / "gpu_check.json"
 GOAL_TTFT_MS = 100.0  # served, c=1, p50

@@ -24,7 +24,7 @@ GROUP = 32  # llm/quant.py's int4 group
 
 
 @dataclass(frozen=True)
-class Shape:
+class ModelShape:
     layers: int
     hidden: int
     heads: int
@@ -46,8 +46,8 @@ class Shape:
 
 
 SHAPES = {
-    "SmolLM2-135M-Instruct (the default model)": Shape(30, 576, 9, 3, 64, 1536, 49152, True),
-    "Llama-3.1-8B": Shape(32, 4096, 32, 8, 128, 14336, 128256, False),
+    "SmolLM2-135M-Instruct (the default model)": ModelShape(30, 576, 9, 3, 64, 1536, 49152, True),
+    "Llama-3.1-8B": ModelShape(32, 4096, 32, 8, 128, 14336, 128256, False),
 }
 
 
@@ -60,7 +60,7 @@ def linear_bytes(n: int, k: int, setting: str, value_bytes: int) -> int:
     return n * k * value_bytes
 
 
-def footprint(shape: Shape, setting: str, device: str = "cpu") -> dict[str, int]:
+def footprint(shape: ModelShape, setting: str, device: str = "cpu") -> dict[str, int]:
     """Bytes read a decode step and resident, for ``setting`` (``bf16``, ``f32``, ``int8``, ``int4``, ``fp8``)."""
     value_bytes = 4 if setting == "f32" else 2
     linear = sum(linear_bytes(n, k, setting, value_bytes) for n, k in shape.linears())

@@ -21,7 +21,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.model import gguf_path
+from launcher.model_folder import gguf_path
 from launcher.paths import CACHE_DIR
 from launcher.process import free_port, wait_healthy
 

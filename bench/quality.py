@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from llm import LLM, LLMConfig
 from llm.sequence import Sequence
 

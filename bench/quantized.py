@@ -28,7 +28,7 @@ from bench import peers, report, roofline
 from bench.__main__ import FULL, machine, start, sweep_peer, sweep_triton, workloads
 from bench.roofline import Roofline
 from launcher.install import has_gpu
-from launcher.model import gguf_path, prepare_default_model
+from launcher.model_folder import gguf_path, prepare_default_model
 from launcher.paths import MODEL_REPOSITORY
 from llm import LLMConfig, load_model
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest

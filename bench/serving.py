@@ -33,12 +33,12 @@ import torch
 
 from bench.__main__ import FULL, machine, start, sweep_triton, workloads
 from launcher.install import has_gpu
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from launcher.paths import MODEL_REPOSITORY
 from llm import LLM, LLMConfig, configure_threads
 from llm.service import EngineLoop
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
-from triton_glue.stubs import stat, stubs
+from ipc.stubs import stat, stubs
 
 log = logging.getLogger("bench.serving")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -86,7 +86,7 @@ def engine_alone(model_dir: Path, prompts: list[list[int]], max_tokens: int, con
 
 def cpu_seconds(server_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of a tritonserver and of each model's Python stubs, by model
-    (``triton_glue/stubs.py`` finds them)."""
+    (``ipc/stubs.py`` finds them)."""
     processes = {"tritonserver": {server_pid}} | stubs(server_pid)
     return {name: sum(int(f[11]) + int(f[12]) for pid in pids if (f := stat(pid))) / TICKS
             for name, pids in processes.items()}

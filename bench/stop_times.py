@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from launcher.paths import REPO_ROOT
 from launcher.process import Ports, wait_healthy
 

@@ -230,7 +230,7 @@ LLM_OUTPUTS = (
     Field("stop_after", "TYPE_INT32", help="with min_tokens: stop strings count only when they end after this "
           "character of output_ids' text (0: anywhere)"),
     Field("generation_id", "TYPE_STRING", help="<pid>-<n>, unique on the host: what postprocess names when a "
-          "client cancels (triton_glue/cancel.py)"),
+          "client cancels (ipc/cancel.py)"),
     Field("output_logprobs", "TYPE_FP32", (-1, -1), help="a row per output id when logprobs is true (no columns "
           "otherwise): its log-probability, then its top_logprobs alternatives', most likely first ..."),
     Field("top_logprob_ids", "TYPE_INT32", (-1, -1), help="... and their ids"),

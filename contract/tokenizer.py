@@ -13,7 +13,7 @@ import json
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from contract.paths import allowed_folder
+from contract.folders import allowed_folder
 
 
 def load_tokenizer(folder: str, parameter: str = "tokenizer_dir") -> PreTrainedTokenizerBase:

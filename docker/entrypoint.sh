@@ -20,14 +20,14 @@ if [ -z "${ADMIN_KEY}" ]; then
   echo "entrypoint: ADMIN_KEY is not set, the model repository API is locked" >&2
   ADMIN_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 fi
-# Models and tokenizers load only from inside these folders (contract/paths.py).
+# Models and tokenizers load only from inside these folders (contract/folders.py).
 export MODEL_ROOTS="${MODEL_ROOTS:-/opt/chat/cache/models:/models}"
 restricted="model-repository,shared-memory,logging,trace:admin-key=${ADMIN_KEY}"
 # launcher supervise runs tritonserver as its child, with the watchdog beside it (Triton 2.51 does not
 # notice a Python stub that dies: launcher/watchdog.py reloads its model). exec: it replaces this shell as
 # PID 1, so docker stop's SIGTERM reaches it, and it drains first: new requests are refused, those running
 # get up to DRAIN_TIMEOUT seconds (30) to finish, then tritonserver gets its SIGTERM (docs/operations.md).
-# thread-pool-size: the Python backend's threads per model instance (launcher/triton.py, PYTHON_BACKEND_THREADS, says why).
+# thread-pool-size: the Python backend's threads per model instance (launcher/tritonserver.py, PYTHON_BACKEND_THREADS, says why).
 # Explicit model control lets operators reload preprocess (a new tokenizer) without touching llm.
 ADMIN_KEY="$ADMIN_KEY" exec python3 -m launcher supervise \
   tritonserver --model-repository="${MODEL_REPOSITORY:-/opt/chat/ensemble_repo}" --model-control-mode=explicit \

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from launcher.frontend import OpenAIFrontend
-from launcher.model import check_model_dir, model_folder, prepare_default_model, prepare_gguf, seed_model_dir
+from launcher.model_folder import check_model_dir, model_folder, prepare_default_model, prepare_gguf, seed_model_dir
 from launcher.install import has_gpu
 from launcher.paths import CACHE_DIR, MODEL_REPOSITORY
 from launcher.process import Ports, StopSignals, drain_timeout
 from launcher.supervisor import State, keep_serving, limits
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 from launcher.watchdog import Watchdog, healthy, python_models
-from triton_glue import drain
+from ipc import drain_notice
 
 log = logging.getLogger("launcher")
 STARTUP_TIMEOUT = 1800.0  # seconds for Triton to be ready: a cold start on a GPU compiles for minutes
@@ -198,7 +198,7 @@ def health() -> int:
     """Exit 0 when ready, no ready Python model has lost its stub, and no drain has begun (Docker's
     HEALTHCHECK, Kubernetes' probes): Triton's own readiness says neither of the last two."""
     repository = Path(os.environ.get("MODEL_REPOSITORY", MODEL_REPOSITORY))
-    return 0 if healthy(local_url(), python_models(repository)) and not drain.posted() else 1
+    return 0 if healthy(local_url(), python_models(repository)) and not drain_notice.posted() else 1
 
 
 def check_model(seed: bool) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 from launcher.child import owned
 from launcher.paths import REPO_ROOT
 from launcher.process import DRAIN_SLACK, answers, drain_timeout, port_is_free, stop_group, wait_healthy
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 
 
 @dataclass

@@ -59,7 +59,7 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("TRITON_CACHE_DIR", str(COMPILE_CACHE / "triton"))
     env.update(extra or {})
     env.pop("ADMIN_KEY", None)  # it reaches tritonserver as an argument; the models have no use for it
-    if "MODEL_DIR" in env:  # contract/paths.py: models and tokenizers load only from inside MODEL_ROOTS
+    if "MODEL_DIR" in env:  # contract/folders.py: models and tokenizers load only from inside MODEL_ROOTS
         env.setdefault("MODEL_ROOTS", str(Path(env["MODEL_DIR"]).resolve().parent))
     return env
 

@@ -1,6 +1,6 @@
 """Notice a Python stub process that died, and bring its model back.
 
-Triton 2.51 does not notice a dead stub (``triton_glue/stubs.py`` has what it does instead) and never
+Triton 2.51 does not notice a dead stub (``ipc/stubs.py`` has what it does instead) and never
 restarts one of a decoupled model. A plain load with the same config is a no-op; unload then load starts
 a fresh stub (about 15 s for llm on 2 cores). This watchdog does that, and ``healthy`` tells the truth
 that ``/v2/health/ready`` does not.
@@ -15,7 +15,7 @@ from pathlib import Path
 import requests
 
 from client.admin import reload_with_config
-from triton_glue import stubs
+from ipc import stubs
 
 log = logging.getLogger(__name__)
 

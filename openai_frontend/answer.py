@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from client import Chunk, Prompt
 from contract.errors import UNAVAILABLE
-from openai_frontend.errors import APIError, ClientGone
+from openai_frontend.api_errors import APIError, ClientGone
 from openai_frontend.replies import Choice, Reply
 from openai_frontend.schemas import Usage
 from openai_frontend.shutdown import Drain
-from openai_frontend.triton import PipelineError, Triton
+from openai_frontend.pipeline import PipelineClient, PipelineError
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds; shortens (never lengthens) the server's deadline
 log = logging.getLogger("openai_frontend")
@@ -53,7 +53,7 @@ class Generations:
     that order), started at once; their pieces come merged, each with its choice's index. ``names``
     turns the pipeline's field names into the client's in errors (``APIError.of``)."""
 
-    def __init__(self, triton: Triton, groups: list[list[Prompt]], request: Request, deadline: Deadline,
+    def __init__(self, triton: PipelineClient, groups: list[list[Prompt]], request: Request, deadline: Deadline,
                  drain: Drain, names: dict[str, str]) -> None:
         self.groups, self.deadline, self.drain, self.names = groups, deadline, drain, names
         self.count = sum(len(g) for g in groups)

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from client import Prompt
 from contract.errors import STOPPING, UNAVAILABLE
 from openai_frontend.answer import Deadline, Generations, answer
-from openai_frontend.errors import RETRY_AFTER_SECONDS, APIError, ClientGone
+from openai_frontend.api_errors import RETRY_AFTER_SECONDS, APIError, ClientGone
 from openai_frontend.messages import NAMES as MESSAGES_NAMES, CountTokensRequest, MessageReply, MessagesRequest, answer_message
 from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.responses import ResponseReply, ResponsesRequest, Store, answer_response, conversation
@@ -41,7 +41,7 @@ from openai_frontend.schemas import (
 )
 from openai_frontend.shutdown import Drain
 from openai_frontend.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse, tokenize_schema
-from openai_frontend.triton import PipelineError, Triton, launcher_state
+from openai_frontend.pipeline import PipelineClient, PipelineError, launcher_state
 
 log = logging.getLogger("openai_frontend")
 Body = TypeVar("Body", bound=Strict)
@@ -72,7 +72,7 @@ class Settings:
     body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 past it)
 
 
-class Restarts(Collector):
+class RestartsCollector(Collector):
     """``launcher_restarts_total``: the processes ``make serve``'s launcher started again (launcher/supervisor.py)."""
 
     def __init__(self, state: str) -> None:
@@ -93,7 +93,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         if launcher_state:
-            r.register(Restarts(launcher_state))
+            r.register(RestartsCollector(launcher_state))
         self.requests = Counter("openai_requests_total", "HTTP requests answered", ["route", "status"], registry=r)
         self.latency = Histogram("openai_request_duration_seconds", "From arrival to the last byte", ["route"],
                                  buckets=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300], registry=r)
@@ -162,7 +162,7 @@ class Readiness:
 
     WATCH_SECONDS = 0.5
 
-    def __init__(self, triton: Triton, on_ready: Callable[[], None]) -> None:
+    def __init__(self, triton: PipelineClient, on_ready: Callable[[], None]) -> None:
         self.triton, self.on_ready, self.said, self.ready = triton, on_ready, False, False
 
     async def check(self) -> bool:
@@ -182,7 +182,7 @@ class Readiness:
 
 def create_app(settings: Settings, on_ready: Callable[[], None] = lambda: None) -> FastAPI:
     """The app; ``on_ready`` is called once, when Triton first answers ready."""
-    triton = Triton(settings.triton_url, settings.triton_pid, settings.launcher_state)
+    triton = PipelineClient(settings.triton_url, settings.triton_pid, settings.launcher_state)
     metrics, drain = Metrics(settings.launcher_state), Drain(settings.drain_timeout)
     readiness = Readiness(triton, on_ready)
 
@@ -265,7 +265,7 @@ def _serve_status(app: FastAPI, settings: Settings, readiness: Readiness, metric
         return model_card().model_dump()
 
 
-def _serve_generations(app: FastAPI, settings: Settings, triton: Triton, metrics: Metrics, drain: Drain) -> None:
+def _serve_generations(app: FastAPI, settings: Settings, triton: PipelineClient, metrics: Metrics, drain: Drain) -> None:
     """The two generation routes: each request's fields as pipeline prompts, then ``answer``."""
 
     @app.post("/v1/chat/completions")
@@ -293,7 +293,7 @@ def _serve_generations(app: FastAPI, settings: Settings, triton: Triton, metrics
         return await answer(generations, CompletionReply(body, settings.model_name), metrics, "/v1/completions")
 
 
-def _serve_tokens(app: FastAPI, settings: Settings, triton: Triton) -> None:
+def _serve_tokens(app: FastAPI, settings: Settings, triton: PipelineClient) -> None:
     """``/tokenize`` and ``/detokenize``: the pipeline's own preprocess and postprocess (openai_frontend/tokens.py)."""
 
     @app.post("/tokenize")
@@ -316,7 +316,7 @@ def _serve_tokens(app: FastAPI, settings: Settings, triton: Triton) -> None:
         return DetokenizeResponse(prompt=text).model_dump()
 
 
-def _serve_responses(app: FastAPI, settings: Settings, triton: Triton, metrics: Metrics, drain: Drain) -> None:
+def _serve_responses(app: FastAPI, settings: Settings, triton: PipelineClient, metrics: Metrics, drain: Drain) -> None:
     """OpenAI's Responses API over the same pipeline, with its bounded store (openai_frontend/responses.py)."""
     store = Store(settings.responses_store_size, settings.responses_store_seconds)
     names = {**SAMPLING_NAMES, "messages": "input", "text_input": "input", "prompt": "input", "max_tokens": "max_output_tokens",
@@ -346,7 +346,7 @@ def _serve_responses(app: FastAPI, settings: Settings, triton: Triton, metrics: 
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _serve_messages(app: FastAPI, settings: Settings, triton: Triton, metrics: Metrics, drain: Drain) -> None:
+def _serve_messages(app: FastAPI, settings: Settings, triton: PipelineClient, metrics: Metrics, drain: Drain) -> None:
     """Anthropic's Messages API over the same pipeline (openai_frontend/messages.py)."""
 
     @app.post("/v1/messages")

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, model_validator
 from client import Chunk, Prompt
 from contract.tools import ToolCallParser
 from openai_frontend.answer import Generations, counted
-from openai_frontend.errors import APIError, ClientGone
+from openai_frontend.api_errors import APIError, ClientGone
 from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage as OpenAIUsage
 
 log = logging.getLogger("openai_frontend")

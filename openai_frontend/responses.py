@@ -34,7 +34,7 @@ from pydantic import Field, ValidationError, model_validator
 from client import Chunk
 from contract.tools import ToolCallParser
 from openai_frontend.answer import Generations, counted
-from openai_frontend.errors import APIError, ClientGone
+from openai_frontend.api_errors import APIError, ClientGone
 from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage
 
 log = logging.getLogger("openai_frontend")

@@ -120,7 +120,7 @@ class FunctionDefinition(Strict):
     strict: bool | None = None  # the arguments always follow the parameters here, strict or not
 
 
-class Tool(Strict):
+class ChatTool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -203,7 +203,7 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 

@@ -22,7 +22,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from client import Prompt
-from openai_frontend.schemas import FieldError, Message, Strict, Tool, UnsupportedField
+from openai_frontend.schemas import ChatTool, FieldError, Message, Strict, UnsupportedField
 
 MAX_DETOKENIZE_TOKENS = 131072
 TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
@@ -56,7 +56,7 @@ class TokenizeCompletionRequest(TokenizeFields):
 
 class TokenizeChatRequest(TokenizeFields):
     messages: list[Message] = Field(min_length=1)
-    tools: list[Tool] | None = None
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

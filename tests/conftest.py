@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 
 from client import ChatClient
 from launcher.frontend import OpenAIFrontend
-from launcher.model import prepare_default_model
+from launcher.model_folder import prepare_default_model
 from launcher.paths import MODEL_REPOSITORY
 from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 
 ADMIN_KEY = "test-admin-key"
 

@@ -96,7 +96,7 @@ def test_llama_cpp_reads_a_tied_models_embeddings_as_its_output_layer():
     import gguf
 
     from bench.quantized import gguf_weight_bytes
-    from launcher.model import gguf_path
+    from launcher.model_folder import gguf_path
 
     tensors = gguf.GGUFReader(gguf_path()).tensors
     assert "output.weight" not in {t.name for t in tensors}  # SmolLM2 ties them
@@ -218,7 +218,7 @@ def test_the_step_profile_times_a_decode_step_and_names_its_kernels(model_dir):
 
 def test_serving_costs_count_a_servers_cpu_seconds():
     """bench.serving's accounting: a process that spins for 0.3 s of CPU is counted as the server
-    (its stubs are found and named by model by triton_glue/stubs.py, which test_server_faults.py uses on a real server)."""
+    (its stubs are found and named by model by ipc/stubs.py, which test_server_faults.py uses on a real server)."""
     from bench.serving import cpu_seconds
 
     spin = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(60)"

@@ -17,7 +17,7 @@ import requests
 from launcher.install import install_tritonserver, server_env
 from launcher.paths import MODEL_REPOSITORY, REPO_ROOT
 from launcher.process import Ports
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 
 
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -195,7 +195,7 @@ def test_launcher_refuses_an_incomplete_model_dir_at_once_naming_the_missing_fil
 
 
 def test_launcher_warns_about_a_model_dir_without_a_chat_template(model_dir, tmp_path):
-    from launcher.model import check_model_dir
+    from launcher.model_folder import check_model_dir
 
     folder = tmp_path / "model"
     folder.mkdir()

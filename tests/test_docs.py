@@ -47,7 +47,7 @@ def commands(page: Path) -> list[str]:
 
 
 def test_the_readme_is_a_front_door_of_about_three_screens():
-    assert len((REPO_ROOT / "README.md").read_text().splitlines()) <= 150
+    assert len((REPO_ROOT / "README.md").read_text().splitlines()) <= 120
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))

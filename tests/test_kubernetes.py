@@ -19,11 +19,11 @@ import pytest
 import requests
 import yaml
 
-from launcher.model import DEFAULT_MODEL_DIR
+from launcher.model_folder import DEFAULT_MODEL_DIR
 from launcher.install import install_tritonserver, server_env
 from launcher.paths import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY, REPO_ROOT
 from launcher.process import DEFAULT_DRAIN_TIMEOUT, DRAIN_SLACK, EXIT_AFTER_DRAIN, Ports, wait_healthy
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 from openai_frontend.shutdown import MARGIN
 
 K8S = REPO_ROOT / "deploy" / "kubernetes"

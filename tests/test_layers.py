@@ -13,7 +13,7 @@ import pytest
 from launcher.paths import REPO_ROOT
 
 LAYERS = [
-    {"contract"},  # the text<->ids contract and the request schema: no Triton
+    {"contract", "ipc"},  # what the models agree on (the request schema), and what the processes do (files in /dev/shm, /proc)
     {"preprocess", "llm", "postprocess"},  # the work, each usable without a server
     {"triton_glue", "client"},  # inside Triton's stubs / talking to Triton over the wire
     {"ensemble_repo"},  # what Triton loads: re-exports of triton_glue
@@ -54,7 +54,7 @@ def test_imports_point_down_a_layer(source, target, path):
 
 def test_the_checker_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("from launcher.triton import REPO_ROOT\nimport llm.engine\n")
+    module.write_text("from launcher.tritonserver import REPO_ROOT\nimport llm.engine\n")
     assert imports(module) == {"launcher", "llm"}
 
 
@@ -70,3 +70,24 @@ def test_only_the_triton_layer_imports_the_python_backend():
     importing = {str(path.relative_to(REPO_ROOT)) for package in LAYER for path in (REPO_ROOT / package).rglob("*.py")
                  if "triton_python_backend_utils" in path.read_text()}
     assert importing and all(p.startswith("triton_glue/") or p == "bench/static_model.py" for p in importing), importing
+
+
+# Names one thing has in two packages: Triton's and Python's required names, and a concept each layer
+# has its own part of (a tool's syntax and its rendering, a grammar's text and its masks, the engine's
+# events and their Triton metrics).
+SAME_THING = {"TritonPythonModel", "__main__", "grammar", "tools", "metrics"}
+
+
+def test_no_two_packages_give_one_name_to_different_things():
+    """A class or a module name belongs to one package (``SAME_THING`` excepted): two ``triton.py``
+    files, one running the server and one calling it, read as one thing and were not."""
+    owners: dict[str, set[str]] = {}
+    for package in set(LAYER) - {"ensemble_repo"}:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            names = {node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+            if path.name != "__init__.py":
+                names.add(path.stem)
+            for name in names:
+                owners.setdefault(name, set()).add(package)
+    shared = {name: sorted(packages) for name, packages in owners.items() if len(packages) > 1 and name not in SAME_THING}
+    assert not shared, shared

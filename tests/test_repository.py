@@ -283,7 +283,7 @@ def test_the_image_runs_as_a_non_root_user_that_owns_its_cache(dockerfile):
 
 
 def test_launcher_and_image_restrict_the_same_admin_apis_with_the_key_from_the_environment(compose):
-    from launcher.triton import ADMIN_HEADER, RESTRICTED_APIS, TritonServer
+    from launcher.tritonserver import ADMIN_HEADER, RESTRICTED_APIS, TritonServer
 
     entrypoint = (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
     assert f'restricted="{RESTRICTED_APIS}:{ADMIN_HEADER}=${{ADMIN_KEY}}"' in entrypoint
@@ -296,7 +296,7 @@ def test_launcher_and_image_restrict_the_same_admin_apis_with_the_key_from_the_e
 
 
 def test_launcher_and_image_give_the_python_backend_threads_for_every_infer_call_and_then_some():
-    from launcher.triton import PYTHON_BACKEND_THREADS, TritonServer
+    from launcher.tritonserver import PYTHON_BACKEND_THREADS, TritonServer
 
     flag = f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}"
     assert flag in TritonServer(admin_key="k").command()
@@ -306,7 +306,7 @@ def test_launcher_and_image_give_the_python_backend_threads_for_every_infer_call
 
 
 def test_launcher_and_image_turn_off_the_gpu_pools_and_metrics_alike_on_a_cpu_host():
-    from launcher.triton import CPU_ONLY_FLAGS, TritonServer
+    from launcher.tritonserver import CPU_ONLY_FLAGS, TritonServer
 
     entrypoint = (REPO_ROOT / "docker" / "entrypoint.sh").read_text()
     assert f'config="--model-config-name=cpu {" ".join(CPU_ONLY_FLAGS)}"' in entrypoint

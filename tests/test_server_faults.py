@@ -28,10 +28,10 @@ import requests
 
 from conftest import metric_value, running_frontend, running_server
 from launcher.paths import CACHE_DIR
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 from launcher.watchdog import healthy, python_models
 from llm.kv import BLOCK_SIZE
-from triton_glue.stubs import stubs
+from ipc.stubs import stubs
 
 INFER_IN_FLIGHT = 40  # more than the Python backend's default 32 threads, which they would all strand
 ATTEMPTS = 6  # kills until Triton survives one: even at 1 abort in 3 kills, 6 in a row are 0.14 %

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tritonclient.utils import InferenceServerException
 
-from triton_glue.stubs import stubs
+from ipc.stubs import stubs
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

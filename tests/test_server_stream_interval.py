@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from client import ChatClient, Prompt
-from launcher.triton import TritonServer
+from launcher.tritonserver import TritonServer
 from conftest import float32_repository, running_server
 
 INTERVAL = 4

@@ -20,7 +20,7 @@ import requests
 
 from launcher.paths import CACHE_DIR, REPO_ROOT
 from launcher.process import Ports, port_is_free
-from triton_glue import stubs
+from ipc import stubs
 
 ASK = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 

@@ -11,7 +11,7 @@ import requests
 
 from client.admin import ADMIN_HEADER, swap_tokenizer
 from launcher.paths import CACHE_DIR
-from triton_glue.stubs import stubs
+from ipc.stubs import stubs
 
 PIRATE = "You are a pirate captain. Answer every question like a pirate."
 

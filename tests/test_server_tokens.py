@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import openai
-import pytest
 import requests
 from pydantic import BaseModel
 

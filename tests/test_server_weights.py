@@ -11,8 +11,8 @@ import pytest
 import requests
 
 from conftest import metric_value, running_frontend, running_server
-from launcher.model import gguf_path, model_folder
-from launcher.triton import TritonServer
+from launcher.model_folder import gguf_path, model_folder
+from launcher.tritonserver import TritonServer
 from llm import kernels
 from test_server_tools import DEFS_TOOLS, TRIP_ASK, Trip
 

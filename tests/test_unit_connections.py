@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from openai_frontend.app import _body
 from openai_frontend.connections import protocol
-from openai_frontend.errors import APIError
+from openai_frontend.api_errors import APIError
 
 EVENT = b"data: " + b"x" * 1000 + b"\n\n"
 

@@ -1,4 +1,4 @@
-"""GGUF files (``llm/gguf_weights.py``, ``launcher/model.py``), in-process: 4-bit blocks become ``int4``'s
+"""GGUF files (``llm/gguf_weights.py``, ``launcher/model_folder.py``), in-process: 4-bit blocks become ``int4``'s
 layout with their values unchanged, the shipped Q4_1 file loads as its own int4 weights equal to what
 transformers de-quantizes from it, and the folder the launcher writes for a file holds the file's own
 special tokens."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launcher.model import check_model_dir, gguf_path, model_folder, prepare_gguf
+from launcher.model_folder import check_model_dir, gguf_path, model_folder, prepare_gguf
 from llm import LLM, LLMConfig, gguf_weights, quant
 
 Q = gguf.GGMLQuantizationType

@@ -110,7 +110,7 @@ def fake_pb_utils() -> types.ModuleType:
 @pytest.fixture
 def load_model(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
-    for module in [m for m in sys.modules if m.startswith("triton_glue.") and m != "triton_glue.stubs"]:
+    for module in [m for m in sys.modules if m.startswith("triton_glue.")]:
         monkeypatch.delitem(sys.modules, module)  # imported anew with the stand-in
 
     def load(name: str):

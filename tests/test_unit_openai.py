@@ -119,7 +119,7 @@ def test_a_body_nested_too_deeply_is_a_client_error():
     import asyncio
 
     from openai_frontend.app import Settings, _parse
-    from openai_frontend.errors import APIError
+    from openai_frontend.api_errors import APIError
 
     class Body:  # what _parse reads of a Request
         headers: dict = {}
@@ -142,8 +142,8 @@ def test_a_body_nested_too_deeply_is_a_client_error():
 def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, status, code):
     from tritonclient.utils import InferenceServerException
 
-    from openai_frontend.errors import APIError
-    from openai_frontend.triton import _error
+    from openai_frontend.api_errors import APIError
+    from openai_frontend.pipeline import _error
 
     error = APIError.of(_error(InferenceServerException(msg=message)), {})
     response = error.response()
@@ -164,8 +164,8 @@ def test_pipeline_errors_keep_their_message_and_get_openai_statuses(message, sta
 def test_pipeline_errors_name_the_field_the_client_sent(message, names, expected, param):
     from tritonclient.utils import InferenceServerException
 
-    from openai_frontend.errors import APIError
-    from openai_frontend.triton import _error
+    from openai_frontend.api_errors import APIError
+    from openai_frontend.pipeline import _error
 
     error = APIError.of(_error(InferenceServerException(msg=f"in ensemble 'ensemble', {message}")), names)
     assert (str(error), error.param) == (expected, param)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from triton_glue import drain, stubs
-from triton_glue.stubs import DeathWatch, zombies
+from ipc import drain_notice, stubs
+from ipc.stubs import DeathWatch, zombies
 
 
 @pytest.fixture
@@ -66,21 +66,21 @@ def test_a_drain_notice_counts_only_while_its_own_server_runs(monkeypatch, tmp_p
     """``launcher health`` fails, and preprocess and llm drain, while their server drains, and only then:
     a notice left by a server that died mid-drain counts neither while it is an unreaped zombie nor once
     its pid is another process's (a restarted container's tritonserver, which keeps /dev/shm)."""
-    monkeypatch.setattr(drain, "BOARD", tmp_path)
+    monkeypatch.setattr(drain_notice, "BOARD", tmp_path)
     server = subprocess.Popen(["sleep", "60"])
     try:
-        assert not drain.posted()
-        drain.begin(server.pid, 30)
-        assert drain.posted() and drain.notice(server.pid).seconds == 30
+        assert not drain_notice.posted()
+        drain_notice.begin(server.pid, 30)
+        assert drain_notice.posted() and drain_notice.notice(server.pid).seconds == 30
         os.kill(server.pid, signal.SIGKILL)  # its launcher killed too: nobody clears the notice
         time.sleep(0.2)
-        assert zombies([server.pid]) == {server.pid} and not drain.posted() and drain.notice(server.pid) is None
+        assert zombies([server.pid]) == {server.pid} and not drain_notice.posted() and drain_notice.notice(server.pid) is None
     finally:
         server.kill()
         server.wait()
-    assert not drain.posted()
-    drain.begin(os.getpid(), 30)
-    assert drain.posted()
+    assert not drain_notice.posted()
+    drain_notice.begin(os.getpid(), 30)
+    assert drain_notice.posted()
     since = (tmp_path / f"drain-{os.getpid()}").read_text().split()[2]
     (tmp_path / f"drain-{os.getpid()}").write_text(f"0 30 {int(since) - 1}")  # an earlier process with this pid
-    assert not drain.posted() and drain.notice(os.getpid()) is None
+    assert not drain_notice.posted() and drain_notice.notice(os.getpid()) is None

@@ -5,7 +5,7 @@ model is not decoupled: each request becomes one non-streaming BLS call to ``ens
 its own, and its one response goes back through the response sender, so ``execute`` returns at once and
 requests still join llm's running batch individually.
 
-If llm's stub dies, Triton 2.51 never answers the calls it held (``triton_glue/stubs.py``); a guard thread
+If llm's stub dies, Triton 2.51 never answers the calls it held (``ipc/stubs.py``); a guard thread
 notices within two seconds and answers them with a clear error, and the stranded threads are left behind.
 """
 
@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from contract.errors import INTERNAL_ERROR, OVERLOADED
 from triton_glue.inflight import InFlight
-from triton_glue.stubs import DeathWatch
+from ipc.stubs import DeathWatch
 from triton_glue.tensors import failure
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

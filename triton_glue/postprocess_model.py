@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from contract.errors import CANCELLED, InvalidInput, decode_utf8
 from postprocess import LLMResponse, Detokenizer, PostprocessConfig
-from triton_glue import cancel
+from ipc import cancel
 from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar, single
 

@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from contract.errors import STOPPING, InvalidInput
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
-from triton_glue import drain
+from ipc import drain_notice
 from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar
 
@@ -28,9 +28,9 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list) -> list:
-        """Each request's ids, or, once the server drains (``triton_glue/drain.py``), a refusal: the first
+        """Each request's ids, or, once the server drains (``ipc/drain_notice.py``), a refusal: the first
         step is where a new request is turned away while those already taken finish."""
-        if drain.notice(self.server_pid) is not None:
+        if drain_notice.notice(self.server_pid) is not None:
             return [failure(STOPPING) for _ in requests]
         return [self._respond(request) for request in requests]
 

@@ -4,10 +4,10 @@ pipeline's, with its tokenizer and template, swapped or not).
 
 Every generation streams, whatever the client asked: the first response tells whether the pipeline took
 the request (so a bad request is a 4xx before any byte of a stream goes out), and a client that goes away
-cancels the stream, which Triton hands on to llm (``triton_glue/cancel.py``) so its batch row is freed.
+cancels the stream, which Triton hands on to llm (``ipc/cancel.py``) so its batch row is freed.
 
 Triton 2.51 never answers the requests a dead decoupled stub held, so a watch on llm's stub processes
-(``triton_glue/stubs.py``, the same one ensemble_infer uses) fails every generation in flight when one dies.
+(``ipc/stubs.py``, the same one ensemble_infer uses) fails every generation in flight when one dies.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from client import OUTPUTS, STREAM_MODEL, Chunk, Prompt, build_inputs, chunk_of,
 from contract.errors import classify
 from contract.reasoning import Splitter
 from contract.schema import request_fields
-from triton_glue.stubs import DeathWatch
+from ipc.stubs import DeathWatch
 
 log = logging.getLogger("openai_frontend")
 
@@ -84,8 +84,8 @@ def launcher_state(path: str | None) -> dict:
         return {}
 
 
-class Triton:
-    """``server_pid``: the tritonserver whose stubs to watch (None: any on this host), or ``state``: the
+class PipelineClient:
+    """The pipeline (Triton's ensemble) as the front end calls it, over one gRPC channel. ``server_pid``: the tritonserver whose stubs to watch (None: any on this host), or ``state``: the
     launcher's state file, which names the one running now, restarted or not."""
 
     def __init__(self, url: str, server_pid: int | None = None, state: str | None = None) -> None:

@@ -8,7 +8,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from openai_frontend.schemas import Error, ErrorResponse
-from openai_frontend.triton import PipelineError
+from openai_frontend.pipeline import PipelineError
 
 RETRY_AFTER_SECONDS = 1
 STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499, "timeout": 504}

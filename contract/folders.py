@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 # What a model folder holds as weights: Hugging Face's files, or a GGUF file linked in as ``GGUF_NAME``
-# (the launcher does it, launcher/model.py; llm reads it, llm/gguf_weights.py).
+# (the launcher does it, launcher/model_folder.py; llm reads it, llm/gguf_weights.py).
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 GGUF_NAME = "model.gguf"
 

@@ -22,7 +22,7 @@ from launcher.install import has_gpu, install_tritonserver, server_env
 from launcher.paths import MODEL_REPOSITORY
 from launcher.process import DRAIN_SLACK, Ports, answers, drain_timeout, port_is_free, stop_group, wait_healthy
 from launcher.watchdog import Watchdog, python_models
-from triton_glue import drain, stubs
+from ipc import drain_notice, stubs
 
 log = logging.getLogger(__name__)
 
@@ -173,18 +173,18 @@ class TritonServer:
 
     def drain(self, seconds: float, hurry: threading.Event | None = None) -> bool:
         """Refuse new requests and let the ones held finish, for up to ``seconds`` (or until ``hurry`` is
-        set), after which llm ends the rest with an error (``triton_glue/drain.py``); True once every llm
+        set), after which llm ends the rest with an error (``ipc/drain_notice.py``); True once every llm
         instance holds nothing."""
         pid = self.process.pid
         llm_stubs = self._drain_notes = sorted(stubs.stubs(pid).get("llm", ()))
-        drain.begin(pid, seconds)
+        drain_notice.begin(pid, seconds)
         deadline, cut = time.monotonic() + seconds + DRAIN_SLACK, False
         while self.process.poll() is None and time.monotonic() < deadline:
-            if drain.drained(llm_stubs):
+            if drain_notice.drained(llm_stubs):
                 return not cut
             if hurry is not None and hurry.is_set() and not cut:  # llm ends what it holds at once
                 log.warning("ending the requests in flight now")
-                drain.begin(pid, 0)
+                drain_notice.begin(pid, 0)
                 deadline, cut = time.monotonic() + DRAIN_SLACK, True
             time.sleep(0.1)
         return False
@@ -232,7 +232,7 @@ class TritonServer:
         if stop_group(self.process, timeout, settled=lambda: not stubs.stubs(pid)):
             log.info("every model is unloaded; ended tritonserver (Triton 2.51 would wait out its exit timeout "
                      "for idle keep-alive HTTP connections, or for a model whose load failed)")
-        drain.clear(pid, self._drain_notes)
+        drain_notice.clear(pid, self._drain_notes)
         log.info("tritonserver stopped %.1f s after the stop began", time.monotonic() - started)
 
     def end_orphaned_stubs(self) -> None:

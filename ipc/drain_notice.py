@@ -2,7 +2,7 @@
 
 Triton 2.51 cannot drain a streaming ensemble itself: on SIGTERM every model's scheduler refuses new
 requests at once, postprocess's included, so each stream in flight fails at its next token. So whoever
-stops Triton (``launcher/triton.py``) first posts a notice named by the server's pid: preprocess refuses
+stops Triton (``launcher/tritonserver.py``) first posts a notice named by the server's pid: preprocess refuses
 new requests (UNAVAILABLE), llm lets what it holds finish until the notice's deadline, ends the rest with
 an error, and leaves a note named by its stub's pid once it holds nothing. Only then does Triton get its
 SIGTERM, with nothing left in flight. Files in the cancel board's directory are the one channel every
@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_glue import stubs
-from triton_glue.cancel import BOARD
+from ipc import stubs
+from ipc.cancel import BOARD
 
 
 @dataclass(frozen=True)

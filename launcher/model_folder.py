@@ -18,7 +18,7 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
-from contract.paths import GGUF_NAME as LINKED, HF_WEIGHTS
+from contract.folders import GGUF_NAME as LINKED, HF_WEIGHTS
 from launcher.paths import CACHE_DIR
 
 DEFAULT_MODEL_DIR = CACHE_DIR / "models" / "SmolLM2-135M-Instruct"

@@ -1,9 +1,8 @@
-"""Unit tests of the preprocess / llm / postprocess logic, in-process, without a server."""
+"""``postprocess`` and the stop strings: ids into whole characters, streamed or not, stops cut where
+they complete, and a tokenizer that does not match refused; in-process."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 
 import pytest
 from transformers import AutoTokenizer
@@ -11,109 +10,8 @@ from transformers import AutoTokenizer
 from contract.errors import InvalidInput
 from contract.stops import TextTracker, find_stop
 from contract.tokenizer import decode_text, vocab_fingerprint
-from postprocess import LLMResponse, Delta, Detokenizer, PostprocessConfig
-from preprocess import PreprocessConfig, Preprocessor, PromptRequest
-from triton_glue.params import read_parameters
+from postprocess import Delta, Detokenizer, LLMResponse, PostprocessConfig
 
-
-def params(**values: str) -> dict:
-    return {"name": "m", "parameters": {k: {"string_value": v} for k, v in values.items()}}
-
-
-@dataclass(frozen=True)
-class Sample:
-    path: str
-    count: int = 3
-    flag: bool = False
-
-
-def test_parameters_expand_environment_variables(monkeypatch):
-    monkeypatch.setenv("SOME_DIR", "/models/x")
-    assert read_parameters(params(path="${SOME_DIR}/tok", count="7", flag="true"), Sample) == Sample("/models/x/tok", 7, True)
-
-
-def test_parameters_name_the_unset_variable(monkeypatch):
-    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
-    with pytest.raises(ValueError, match=r"'path' references \$\{NOT_SET_ANYWHERE\}"):
-        read_parameters(params(path="${NOT_SET_ANYWHERE}"), Sample)
-
-
-def test_parameters_name_the_bad_key():
-    with pytest.raises(ValueError, match="'count' must be int"):
-        read_parameters(params(path="p", count="many"), Sample)
-
-
-def test_parameters_report_a_missing_required_key():
-    with pytest.raises(ValueError, match="missing a required parameter"):
-        read_parameters(params(count="1"), Sample)
-
-
-# preprocess
-
-
-@pytest.fixture(scope="module")
-def preprocessor(model_dir) -> Preprocessor:
-    return Preprocessor(PreprocessConfig(str(model_dir), max_input_bytes=1000))
-
-
-def test_chat_template_ends_with_the_assistant_turn(preprocessor, tokenizer):
-    ids = preprocessor.encode(PromptRequest("Hello".encode())).input_ids
-    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    assert "Hello" in tokenizer.decode(ids)
-
-
-def test_system_prompt_replaces_the_template_default(preprocessor, tokenizer):
-    default = tokenizer.decode(preprocessor.encode(PromptRequest(b"Hi")).input_ids)
-    custom = tokenizer.decode(preprocessor.encode(PromptRequest(b"Hi", "You are a pirate.".encode())).input_ids)
-    assert "You are a pirate." in custom and "You are a pirate." not in default
-
-
-def test_raw_prompt_skips_the_template(preprocessor, tokenizer):
-    ids = preprocessor.encode(PromptRequest(b"Once upon a time", apply_chat_template=False)).input_ids
-    assert ids == tokenizer.encode("Once upon a time")
-
-
-def test_messages_carry_a_whole_conversation_through_the_chat_template(preprocessor, tokenizer):
-    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a colour."}]
-    ids = preprocessor.encode(PromptRequest(messages=json.dumps(conversation).encode())).input_ids
-    assert ids == list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True))
-
-
-@pytest.mark.parametrize(
-    "request_, message",
-    [
-        (PromptRequest(b""), "text_input must not be empty"),
-        (PromptRequest(b"   "), "text_input must not be empty"),
-        (PromptRequest(b"ab\xffcd"), "text_input is not valid UTF-8: byte 0xff at offset 2"),
-        (PromptRequest(b"x" * 1001), "text_input is 1001 bytes; the limit is 1000 bytes"),
-        (PromptRequest(b"hi", b"\xc3"), "system_prompt is not valid UTF-8"),
-        (PromptRequest(b"hi", b"sys", apply_chat_template=False), "system_prompt needs apply_chat_template=true"),
-        (PromptRequest(), "text_input is required"),
-        (PromptRequest(b"hi", messages=b'[{"role": "user", "content": "x"}]'), "either messages or text_input"),
-        (PromptRequest(messages=b"[{"), "messages is not valid JSON"),
-        (PromptRequest(messages=b"{}"), "messages must be a non-empty JSON list"),
-        (PromptRequest(messages=b'[{"role": "user"}]'), r"messages\[0\] must be an object with exactly the keys role and content"),
-        (PromptRequest(messages=b'[{"role": "bot", "content": "x"}]'), r"messages\[0\].role must be one of system, user, assistant, tool"),
-        (PromptRequest(messages=b'[{"role": "user", "content": 5}]'), r"messages\[0\].content must be a string"),
-        (PromptRequest(messages=b'[{"role": "user", "content": "x"}]', apply_chat_template=False), "messages needs apply_chat_template=true"),
-        (PromptRequest(messages=b"[" + b"1," * 600 + b"1]"), "messages is 1203 bytes; the limit is 1000 bytes"),
-    ],
-)
-def test_bad_prompts_name_the_field(preprocessor, request_, message):
-    with pytest.raises(InvalidInput, match=message):
-        preprocessor.encode(request_)
-
-
-def test_a_system_message_alone_is_a_conversation(preprocessor):
-    """OpenAI answers one, and so does the chat template: the system turn, then the assistant's."""
-    alone = preprocessor.encode(PromptRequest(messages=b'[{"role": "system", "content": "Be brief."}]')).input_ids
-    rendered = preprocessor.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}],
-                                                          add_generation_prompt=True, tokenize=True)
-    assert alone == list(rendered) and len(alone) > 3
-
-
-# postprocess
 
 TEXT = "天空是蓝色的 🌍😀 ok"
 
@@ -281,50 +179,3 @@ def test_fingerprint_ignores_the_chat_template_but_not_the_vocabulary(model_dir)
     assert vocab_fingerprint(tokenizer) == before
     tokenizer.add_tokens(["<brand_new_token>"])
     assert vocab_fingerprint(tokenizer) != before
-
-
-
-
-def test_a_relative_folder_is_refused_naming_the_parameter():
-    from contract.paths import allowed_folder
-
-    with pytest.raises(ValueError, match="parameter 'tokenizer_dir': models/x is a relative path"):
-        allowed_folder("tokenizer_dir", "models/x")
-
-
-def test_the_admin_client_drops_the_python_stack_from_a_failed_load():
-    from client.admin import reason
-
-    message = ("load failed for model 'preprocess': version 1 is at UNAVAILABLE state: Internal: ValueError: "
-               "parameter 'tokenizer_dir': /etc is outside MODEL_ROOTS (/m)\n\nAt:\n  /r/contract/paths.py(23): "
-               "allowed_folder\n  /r/preprocess/__init__.py(42): __init__\n;\n")
-    assert reason(message).endswith("parameter 'tokenizer_dir': /etc is outside MODEL_ROOTS (/m)")
-
-
-def test_the_admin_client_refuses_a_relative_tokenizer_dir_before_asking_the_server():
-    from client.admin import swap_tokenizer
-
-    with pytest.raises(RuntimeError, match="absolute path"):
-        swap_tokenizer("127.0.0.1:1", "models/x")
-
-
-def test_parameters_take_environment_defaults_nested_and_name_the_key_when_unset(monkeypatch):
-    from dataclasses import dataclass
-
-    @dataclass
-    class Config:
-        tokenizer_dir: str
-        kv_cache_tokens: int = 0
-
-    def config(tokenizer_dir: str, kv: str) -> dict:
-        return {"name": "m", "parameters": {"tokenizer_dir": {"string_value": tokenizer_dir}, "kv_cache_tokens": {"string_value": kv}}}
-
-    monkeypatch.setenv("MODEL_DIR", "/models/a")
-    monkeypatch.delenv("TOKENIZER_DIR", raising=False)
-    monkeypatch.delenv("KV_CACHE_TOKENS", raising=False)
-    assert read_parameters(config("${TOKENIZER_DIR:-${MODEL_DIR}}", "${KV_CACHE_TOKENS:-16384}"), Config) == Config("/models/a", 16384)
-    monkeypatch.setenv("TOKENIZER_DIR", "/models/b")
-    monkeypatch.setenv("KV_CACHE_TOKENS", "32768")
-    assert read_parameters(config("${TOKENIZER_DIR:-${MODEL_DIR}}", "${KV_CACHE_TOKENS:-16384}"), Config) == Config("/models/b", 32768)
-    with pytest.raises(ValueError, match=r"parameter 'tokenizer_dir' references \$\{UNSET_DIR\}"):
-        read_parameters(config("${UNSET_DIR}", "1"), Config)
