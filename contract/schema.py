@@ -148,7 +148,8 @@ REQUEST = (
     Field("min_tokens", "TYPE_INT32", to=LLM, default=0, low=0, high="max_tokens_limit", openai=True,
           help="the least tokens the reply has before the end-of-turn token, stop_token_ids or a stop string may "
           "end it (as vLLM: a stop string counts only when it ends after them); at most max_tokens"),
-    Field("logit_bias", "TYPE_STRING", to=LLM, json=dict[str, float], low=-100.0, high=100.0, count=LOGIT_BIAS_LIMIT,
+    # int | float: a bias sent as an integer stays one, so every API quotes it back as it was sent
+    Field("logit_bias", "TYPE_STRING", to=LLM, json=dict[str, int | float], low=-100.0, high=100.0, count=LOGIT_BIAS_LIMIT,
           openai=True, help='JSON object {"token id": bias}, added to those tokens\' logits before the choice '
           "(greedy too), as OpenAI's: -100 bans a token, 100 forces it"),
     Field("structured_outputs", "TYPE_STRING", to=PRE, json=dict, openai=True, help='JSON object, vLLM\'s: '

@@ -37,7 +37,7 @@ from openai_frontend.replies import ChatReply, CompletionReply
 from openai_frontend.responses import ResponseReply, ResponsesRequest, Store, answer_response, conversation
 from openai_frontend.schemas import (
     PASSED, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields, Model, ModelList, Strict,
-    UnsupportedField, without_unsupported,
+    UnsupportedField, most_specific, without_unsupported,
 )
 from openai_frontend.shutdown import Drain
 from openai_frontend.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeResponse, tokenize_schema
@@ -372,9 +372,6 @@ def _authorized(request: Request, keys: frozenset[str]) -> bool:
     token = token if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
     return bool(token) and any(hmac.compare_digest(token.encode(), key.encode()) for key in keys)
 
-def _union_member(part: str | int) -> bool:
-    """pydantic names the member of a union a location went through (``str``, ``list[ContentPart]``)."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 def _check_model(model: str, settings: Settings) -> None:
     if model != settings.model_name:
@@ -424,11 +421,8 @@ async def _parse(request: Request, schema: type[Body] | Callable[[dict], type[Bo
     except FieldError as e:
         raise APIError(400, str(e), e.field, "unsupported_field" if isinstance(e, UnsupportedField) else None) from None
     except ValidationError as e:
-        # The most specific error (a union reports each member's; on a tie its list form), its location
-        # without the member names.
-        error = max(e.errors(), key=lambda err: (len(err["loc"]), any("[" in str(p) for p in err["loc"])))
-        param = ".".join(str(part) for part in error["loc"] if not _union_member(part)) or None
-        raise APIError(400, f"{param + ': ' if param else ''}{error['msg']}", param) from None
+        param, message = most_specific(e)
+        raise APIError(400, f"{param + ': ' if param else ''}{message}", param) from None
     if body.model is not None:  # optional on /tokenize and /detokenize, as vLLM's
         _check_model(body.model, settings)
     return body

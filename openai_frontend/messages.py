@@ -25,13 +25,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 from client import Chunk, Prompt
 from contract.tools import ToolCallParser
 from openai_frontend.answer import Generations, counted
 from openai_frontend.api_errors import APIError, ClientGone
-from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage as OpenAIUsage
+from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage as OpenAIUsage, text_only
 
 log = logging.getLogger("openai_frontend")
 STOP_REASONS = {"length": "max_tokens"}  # and stop: end_turn, stop_sequence or tool_use (MessageReply.stop_reason)
@@ -79,7 +79,7 @@ class RedactedThinkingBlock(Strict):
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                  Field(discriminator="type")]
+                  Field(discriminator="type"), BeforeValidator(text_only)]
 THINKING = (ThinkingBlock, RedactedThinkingBlock)
 
 

@@ -35,7 +35,7 @@ from client import Chunk
 from contract.tools import ToolCallParser
 from openai_frontend.answer import Generations, counted
 from openai_frontend.api_errors import APIError, ClientGone
-from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage
+from openai_frontend.schemas import FieldError, Strict, UnsupportedField, Usage, most_specific, text_only
 
 log = logging.getLogger("openai_frontend")
 
@@ -45,6 +45,11 @@ class TextPart(Strict):
     text: str
     annotations: list | None = None  # an output_text's, sent back as it came
     logprobs: list | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: object) -> object:
+        return text_only(part)
 
 
 class MessageItem(Strict):
@@ -180,9 +185,8 @@ class ResponsesRequest(Strict):
             try:
                 items.append(kinds[kind].model_validate(raw))
             except ValidationError as e:
-                first = e.errors()[0]  # pydantic's, located within the item
-                where = ".".join(str(p) for p in (f"input.{i}", *first["loc"]))
-                raise FieldError(where, f"{where}: {first['msg']}") from None
+                where, message = most_specific(e, ("input", i))
+                raise FieldError(where, f"{where}: {message}") from None
         return items
 
     def structured(self) -> dict | None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from contract.schema import REQUEST
 
 MAX_N = 8  # choices per request: each is a generation of its own in llm's batch
+
 
 def _absent(value: object) -> bool:
     return value is None or value == [] or value == {}
@@ -75,9 +77,39 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk (guidellm asks for it)
 
 
+def union_member(part: str | int) -> bool:
+    """pydantic names the member of a union a location went through (``str``, ``list[ContentPart]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def most_specific(error: ValidationError, within: tuple[str | int, ...] = ()) -> tuple[str | None, str]:
+    """The field and message of pydantic's most specific error (a union reports each member's; on a tie
+    its list form), its location under ``within`` and without the member names."""
+    best = max(error.errors(), key=lambda err: (len(err["loc"]), any("[" in str(p) for p in err["loc"])))
+    return ".".join(str(part) for part in (*within, *best["loc"]) if not union_member(part)) or None, best["msg"]
+
+
+# Content parts of OpenAI's and Anthropic's APIs that are not text: a text-only model refuses them by saying
+# so, not by naming the text part's type it expected.
+MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio", "input_file", "file", "document"})
+
+
+def text_only(part: object) -> object:
+    """``part`` unchanged, unless it is an image, audio or file part: then an error that names its type."""
+    if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+        raise PydanticCustomError("text_only", "this model takes text only; a content part of type '{type}' "
+                                  "cannot be read", {"type": part["type"]})
+    return part
+
+
 class ContentPart(Strict):
     type: Literal["text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: object) -> object:
+        return text_only(part)
 
 
 class FunctionCall(Strict):

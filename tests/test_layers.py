@@ -1,44 +1,16 @@
-"""The import graph: arrows point down the layers of docs/architecture.md, never up or sideways.
-
-The layers, bottom first. A package may import its own modules and any package of a lower layer.
-"""
+"""The import graph: arrows point down the layers of docs/architecture.md, never up or sideways; the
+drawing of it there, and the files and symbols that page names, are the code's."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 from launcher.paths import REPO_ROOT
-
-LAYERS = [
-    {"contract", "ipc"},  # what the models agree on (the request schema), and what the processes do (files in /dev/shm, /proc)
-    {"preprocess", "llm", "postprocess"},  # the work, each usable without a server
-    {"triton_glue", "client"},  # inside Triton's stubs / talking to Triton over the wire
-    {"ensemble_repo"},  # what Triton loads: re-exports of triton_glue
-    {"launcher", "openai_frontend"},  # processes that run or front the server
-    {"bench"},
-]
-LAYER = {package: n for n, packages in enumerate(LAYERS) for package in packages}
-
-
-def imports(path: Path) -> set[str]:
-    """The project packages ``path`` imports (absolute imports only; the repository uses no others)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            assert node.level == 0, f"{path}: relative import"
-            found.add(node.module.split(".")[0])
-    return found & set(LAYER)
-
-
-def edges() -> list[tuple[str, str, Path]]:
-    return [(path.relative_to(REPO_ROOT).parts[0], target, path)
-            for package in LAYER for path in sorted((REPO_ROOT / package).rglob("*.py"))
-            for target in imports(path)]
+from layers import ARCHITECTURE, LAYER, drawing, drawn, edges, imports
 
 
 def test_every_python_package_of_the_repository_has_a_layer():
@@ -91,3 +63,21 @@ def test_no_two_packages_give_one_name_to_different_things():
                 owners.setdefault(name, set()).add(package)
     shared = {name: sorted(packages) for name, packages in owners.items() if len(packages) > 1 and name not in SAME_THING}
     assert not shared, shared
+
+
+def test_the_drawing_of_the_layers_is_the_codes():
+    assert drawn() == drawing(), "run python tests/layers.py --write"
+
+
+def test_every_file_and_symbol_the_architecture_names_exists():
+    """A path in backticks is a file of the repository; ``Class.method`` a method of that class, defined
+    in the file that defines the class."""
+    text = ARCHITECTURE.read_text()
+    for path in re.findall(r"`((?:[a-z_]+/)+[a-z_]+\.(?:py|cpp))`", text):
+        assert (REPO_ROOT / path).is_file(), path
+    sources = {path: path.read_text() for package in LAYER for path in (REPO_ROOT / package).rglob("*.py")}
+    for owner, member in re.findall(r"`([A-Z][A-Za-z]+)\.([a-z_]+)`", text):
+        homes = [source for source in sources.values() if re.search(rf"^class {owner}\b", source, re.M)]
+        assert homes, f"no class {owner}"
+        assert any(re.search(rf"^    (?:async )?def {member}\b|^    {member}:", home, re.M) for home in homes), \
+            f"{owner}.{member}"

@@ -218,7 +218,7 @@ def test_a_list_of_prompts_gives_a_choice_each(openai_client, model):
     ({"messages": []}, 400, "messages", "at least 1 item"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "Input should be"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages.0.content.0.type", "Input should be 'text'"),
+     "messages.0.content.0", "this model takes text only; a content part of type 'image_url' cannot be read"),
     ({"n": 9}, 400, "n", "less than or equal to 8"),
     ({"some_field": 1}, 400, "some_field", "Extra inputs are not permitted"),
     ({"functions": [{"name": "f"}]}, 400, "functions", "the deprecated functions field is not supported"),
@@ -246,6 +246,18 @@ def test_a_list_of_prompts_gives_a_choice_each(openai_client, model):
     ({"service_tier": "flex"}, 400, "service_tier", "only the default service tier"),
     ({"model": "nope"}, 404, "model", "does not exist"),
 ])
+@pytest.mark.parametrize("bias", [{"1": -150}, {"1": 100.5}])
+def test_a_pipeline_refusal_reads_the_same_on_the_openai_api_as_on_tritons(openai_frontend, server, model, bias):
+    """The number quoted back is the one sent, an integer or not, whichever API carried it."""
+    triton = requests.post(f"{server.url}/v2/models/ensemble/generate", timeout=60,
+                           json={"text_input": "Hi", "max_tokens": 2, "logit_bias": json.dumps(bias)})
+    openai_reply = post(openai_frontend, "chat/completions", {"model": model, "messages": CHAT, "max_tokens": 2,
+                                                              "logit_bias": bias})
+    assert triton.status_code == openai_reply.status_code == 400
+    assert triton.json()["error"].endswith(error_of(openai_reply)["message"]), (triton.text, openai_reply.text)
+    assert error_of(openai_reply)["message"].endswith(f"got {bias['1']}")
+
+
 def test_client_mistakes_are_openai_errors_naming_the_field(openai_frontend, model, body, status, param, message):
     """Whole and streamed alike: a refusal comes before the first byte of a stream, with its status."""
     for stream in (False,) if isinstance(body, str) or "stream_options" in body else (False, True):

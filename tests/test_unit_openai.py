@@ -9,9 +9,9 @@ from pydantic import ValidationError
 
 from client import Chunk
 from openai_frontend.__main__ import api_keys
-from openai_frontend.app import _pipeline_prompts, _union_member
+from openai_frontend.app import _pipeline_prompts
 from openai_frontend.replies import ChatReply, Choice, CompletionReply
-from openai_frontend.schemas import (ChatCompletionRequest, CompletionRequest, FieldError, UnsupportedField, Usage,
+from openai_frontend.schemas import (ChatCompletionRequest, CompletionRequest, FieldError, UnsupportedField, Usage, union_member,
                                      without_unsupported)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -103,7 +103,7 @@ def test_completion_logprobs_take_the_legacy_shape_with_text_offsets():
 
 
 def test_error_locations_drop_union_member_names():
-    assert [p for p in ("messages", 0, "content", "list[ContentPart]", 0, "type") if not _union_member(p)] == \
+    assert [p for p in ("messages", 0, "content", "list[ContentPart]", 0, "type") if not union_member(p)] == \
         ["messages", 0, "content", 0, "type"]
 
 
@@ -204,3 +204,36 @@ def test_a_stream_joins_into_the_whole_replys_message(tools, text):
     calls = [(c.function.name, c.function.arguments) for c in assembled.message.tool_calls or []]
     assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in expected["message"].get("tool_calls", [])]
     assert calls or expected["message"]["content"] is not None  # content is null only beside calls
+
+
+@pytest.mark.parametrize("schema, body, param, kind", [
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0", "image_url"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0", "input_image"),
+    ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0", "image"),
+])
+def test_a_part_that_is_not_text_is_refused_as_such_on_every_api(schema, body, param, kind):
+    import asyncio
+
+    from openai_frontend.api_errors import APIError
+    from openai_frontend.app import Settings, _parse
+    from openai_frontend.messages import MessagesRequest
+    from openai_frontend.responses import ResponsesRequest
+
+    class Body:  # what _parse reads of a Request
+        headers: dict = {}
+
+        async def stream(self):
+            yield json.dumps({"model": "m", **body}).encode()
+
+    schemas = {"chat": ChatCompletionRequest, "responses": ResponsesRequest, "messages": MessagesRequest}
+    with pytest.raises(APIError) as e:
+        asyncio.run(_parse(Body(), schemas[schema], Settings(model_name="m"), openai=schema != "messages"))
+    assert e.value.status == 400 and e.value.param == param and f"this model takes text only; a content part of type '{kind}'" in str(e.value)
+
+
+def test_an_integer_logit_bias_stays_an_integer():
+    body = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"7": -150, "8": 2.5}})
+    assert body.passed()["logit_bias"] == {"7": -150, "8": 2.5} and isinstance(body.passed()["logit_bias"]["7"], int)
