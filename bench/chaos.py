@@ -7,9 +7,8 @@ throughout: streamed chat on the OpenAI API and ``generate_stream`` on Triton's,
 ``REPLY_TOKENS`` tokens. In turn: ``kill -9`` of the ``llm``, ``preprocess``, ``postprocess`` and
 ``ensemble_infer`` stubs, of ``tritonserver``, of the front end; a SIGSTOP of ``llm``'s stub for 20 s
 then SIGCONT; ``SLOW_CLIENTS`` streamed chats whose clients stop reading after the first bytes and as
-many requests whose bodies come a byte a second (the load's latency beside them against before and
-against as many clients that read, each part's peak memory, what the slow clients got); and last
-``kill -9`` of the launcher itself. For each, the requests sent from the kill until
+many requests whose bodies come a byte a second (the load's latency beside them against before, each
+part's peak memory, what the slow clients got); and last ``kill -9`` of the launcher itself. For each, the requests sent from the kill until
 the service is whole again (a probe's reply is complete, 120 s at most) plus ``SETTLE_SECONDS``: replies
 complete, clear errors (status or event, and its message), and requests lost (no answer within
 ``CLIENT_TIMEOUT``; the goal is none); the time until replies are whole again; resident memory and open
@@ -47,7 +46,7 @@ CLIENT_TIMEOUT = 60.0  # a request unanswered this long is lost
 PROBE_TIMEOUT = 15.0
 CAPACITY_CLIENTS, CAPACITY_SECONDS = 8, 15.0
 SETTLE_SECONDS = 10.0
-SLOW_CLIENTS, SLOW_SECONDS = 200, 40.0  # the baseline window; the stuck one lasts at least as long
+SLOW_CLIENTS, SLOW_SECONDS = 200, 40.0  # the baseline's window, and the slow clients'
 RECOVERY_LIMIT = 120.0
 PROMPT = "Tell me about the sea."
 
@@ -295,29 +294,32 @@ def burst(targets: list[Callable[[], None]]) -> list[threading.Thread]:
 
 
 def slow_clients(server: Serving, load: Load) -> dict:
-    """Beside the steady load: ``SLOW_SECONDS`` of nothing more (the baseline); ``SLOW_CLIENTS`` streamed
-    chats at once whose clients read them whole, until the last is (the control: what as many requests
-    cost); then as long again, the same requests from clients that stop reading after the first bytes, and
-    as many bodies sent a byte a second.
-    The load's latency in each window, each part's peak memory in the last, what became of the slow
-    clients; then they go, and what they held must be freed."""
+    """Beside the steady load: ``SLOW_SECONDS`` of nothing more (the baseline); then ``SLOW_CLIENTS``
+    streamed chats at once whose clients stop reading after the first bytes (their generations are load
+    like any other: the window waits until the front end holds no more of them in flight, at most
+    ``CLIENT_TIMEOUT``); then, those connections still held, as many bodies sent a byte a second, for
+    ``SLOW_SECONDS`` (the load's latency against the baseline's). Each part's peak memory while they are
+    there, what the slow clients got; then they go, and what they held must be freed."""
     parts = {"front end": "openai_frontend", "Triton": "triton"}  # tritonserver and its stubs
-    windows = {"baseline": time.monotonic()}
+    baseline = time.monotonic()
     time.sleep(SLOW_SECONDS)
-    windows["readers that read"] = control = time.monotonic()
-    for thread in burst([lambda: one_request(server, "openai")] * SLOW_CLIENTS):
-        thread.join(CLIENT_TIMEOUT + 10)
-    span = max(time.monotonic() - control, SLOW_SECONDS)  # the stuck ones get as long, and their bodies' 408
     before = {name: server.footprint(only) for name, only in parts.items()}
-    stalled_before = metric(server, "openai_stalled_connections_total")
-    windows["stuck readers and slow bodies"] = begun = time.monotonic()
-    stop, answers, readers = threading.Event(), [], []
-    bodies = burst([lambda: slow_body(server, stop, answers)] * SLOW_CLIENTS)
-    burst([lambda: stuck_reader(server, readers)] * SLOW_CLIENTS)
-    peak = dict(before)
-    while time.monotonic() - begun < span:
+    stalled_before, opened = metric(server, "openai_stalled_connections_total"), time.monotonic()
+    stop, answers, readers, peak = threading.Event(), [], [], dict(before)
+
+    def sample_peak() -> None:
         for name, only in parts.items():
             peak[name] = max(peak[name], server.footprint(only))
+
+    burst([lambda: stuck_reader(server, readers)] * SLOW_CLIENTS)
+    while time.monotonic() - opened < CLIENT_TIMEOUT and (len(readers) < SLOW_CLIENTS or
+                                                         metric(server, "openai_requests_in_flight") > 10):
+        sample_peak()
+        time.sleep(1)
+    generated = time.monotonic()
+    bodies = burst([lambda: slow_body(server, stop, answers)] * SLOW_CLIENTS)
+    while time.monotonic() - generated < SLOW_SECONDS:
+        sample_peak()
         time.sleep(1)
     stalled = metric(server, "openai_stalled_connections_total") - stalled_before
     stop.set()
@@ -328,16 +330,17 @@ def slow_clients(server: Serving, load: Load) -> dict:
     ended = time.monotonic()
     time.sleep(SETTLE_SECONDS)
     after = {name: server.footprint(only) for name, only in parts.items()}
-    bounds = [*windows.values(), ended]
 
     def latency(begin: float, end: float) -> list[float | None]:
         done = sorted(r["seconds"] for r in load.between(begin, end) if r["outcome"] and r["outcome"][0] == "complete")
         return [round(done[min(len(done) - 1, int(q * len(done)))], 2) if done else None for q in (0.5, 0.95)]
 
-    return {"target": f"{SLOW_CLIENTS} stuck readers + {SLOW_CLIENTS} byte-a-second bodies", "window": [begun, ended],
-            "recovery_s": None, "latency_s": {name: latency(a, b) for name, a, b in zip(windows, bounds, bounds[1:])},
-            "stuck_readers": {"opened": len(readers), "got a first event": sum(b"data: " in first for _, first in readers),
-                              "reset for reading nothing": int(stalled)},
+    return {"target": f"{SLOW_CLIENTS} stuck readers + {SLOW_CLIENTS} byte-a-second bodies", "window": [opened, ended],
+            "recovery_s": None,
+            "latency_s": {"baseline": latency(baseline, opened), "while the stuck readers generate": latency(opened, generated),
+                          "stuck readers held, bodies trickling": latency(generated, ended)},
+            "generation_s": round(generated - opened, 1),
+            "stuck_readers": {"opened": len(readers), "reset for reading nothing": int(stalled)},
             "slow_bodies": dict(Counter(f"{status} after ~{round(seconds)} s" for status, seconds in answers)),
             "rss_mib": {name: [round(before[name][0]), round(peak[name][0]), round(after[name][0])] for name in parts},
             "open_files": {name: [before[name][1], peak[name][1], after[name][1]] for name in parts}}
@@ -394,6 +397,7 @@ def main() -> int:
     for r in (r for r in results if "latency_s" in r):
         print(f"\n{r['target']}, beside the load: {r['requests']} requests, {r['complete']} complete, {r['error']} "
               f"errors, {r['lost']} lost; stuck readers {r['stuck_readers']}; slow bodies {r['slow_bodies']}")
+        print(f"the stuck readers' generations took {r['generation_s']} s")
         print("| the load's latency (p50 / p95 s) | " + " | ".join(r["latency_s"]) + " |\n|---|---|---|---|")
         print("| | " + " | ".join(f"{p50} / {p95}" for p50, p95 in r["latency_s"].values()) + " |")
         print("| part | RSS MiB before / peak / after | open files before / peak / after |\n|---|---|---|")
