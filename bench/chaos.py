@@ -281,9 +281,16 @@ def slow_body(server: Serving, stop: threading.Event, answers: list) -> None:
         sock.close()
 
 
-def metric(server: Serving, name: str) -> float:
-    text = requests.get(f"{server.openai}/metrics", timeout=10).text
+def metric(server: Serving, name: str, url: str = "") -> float:
+    """The sum of a metric's samples on the front end's ``/metrics`` (or ``url``'s)."""
+    text = requests.get(url or f"{server.openai}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def engine_busy(server: Serving) -> float:
+    """Requests llm runs or queues, from Triton's metrics: both APIs' load, and any backlog."""
+    url = f"http://127.0.0.1:{server.ports.metrics}/metrics"
+    return metric(server, "llm_requests_running", url) + metric(server, "llm_requests_waiting", url)
 
 
 def burst(targets: list[Callable[[], None]]) -> list[threading.Thread]:
@@ -296,8 +303,9 @@ def burst(targets: list[Callable[[], None]]) -> list[threading.Thread]:
 def slow_clients(server: Serving, load: Load) -> dict:
     """Beside the steady load: ``SLOW_SECONDS`` of nothing more (the baseline); then ``SLOW_CLIENTS``
     streamed chats at once whose clients stop reading after the first bytes (their generations are load
-    like any other: the window waits until the front end holds no more of them in flight, at most
-    ``CLIENT_TIMEOUT``); then, those connections still held, as many bodies sent a byte a second, for
+    like any other: the window waits until llm runs and queues no more than the load alone did, and so
+    has no backlog left, at most twice ``CLIENT_TIMEOUT``); then, those connections still held, as many
+    bodies sent a byte a second, for
     ``SLOW_SECONDS`` (the load's latency against the baseline's). Each part's peak memory while they are
     there, what the slow clients got; then they go, and what they held must be freed."""
     parts = {"front end": "openai_frontend", "Triton": "triton"}  # tritonserver and its stubs
@@ -312,8 +320,8 @@ def slow_clients(server: Serving, load: Load) -> dict:
             peak[name] = max(peak[name], server.footprint(only))
 
     burst([lambda: stuck_reader(server, readers)] * SLOW_CLIENTS)
-    while time.monotonic() - opened < CLIENT_TIMEOUT and (len(readers) < SLOW_CLIENTS or
-                                                         metric(server, "openai_requests_in_flight") > 10):
+    quiet = engine_busy(server) + 2  # what the load alone keeps running
+    while time.monotonic() - opened < 2 * CLIENT_TIMEOUT and (len(readers) < SLOW_CLIENTS or engine_busy(server) > quiet):
         sample_peak()
         time.sleep(1)
     generated = time.monotonic()
