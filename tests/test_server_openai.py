@@ -209,6 +209,18 @@ def test_a_list_of_prompts_gives_a_choice_each(openai_client, model):
 # Refusals and errors, the OpenAI way
 
 
+@pytest.mark.parametrize("bias", [{"1": -150}, {"1": 100.5}])
+def test_a_pipeline_refusal_reads_the_same_on_the_openai_api_as_on_tritons(openai_frontend, server, model, bias):
+    """The number quoted back is the one sent, an integer or not, whichever API carried it."""
+    triton = requests.post(f"{server.url}/v2/models/ensemble/generate", timeout=60,
+                           json={"text_input": "Hi", "max_tokens": 2, "logit_bias": json.dumps(bias)})
+    openai_reply = post(openai_frontend, "chat/completions", {"model": model, "messages": CHAT, "max_tokens": 2,
+                                                              "logit_bias": bias})
+    assert triton.status_code == openai_reply.status_code == 400
+    assert triton.json()["error"].endswith(error_of(openai_reply)["message"]), (triton.text, openai_reply.text)
+    assert error_of(openai_reply)["message"].endswith(f"got {bias['1']}")
+
+
 @pytest.mark.parametrize("body, status, param, message", [
     ("{not json", 400, None, "not valid JSON"),
     ("[1, 2]", 400, None, "must be a JSON object"),
@@ -246,18 +258,6 @@ def test_a_list_of_prompts_gives_a_choice_each(openai_client, model):
     ({"service_tier": "flex"}, 400, "service_tier", "only the default service tier"),
     ({"model": "nope"}, 404, "model", "does not exist"),
 ])
-@pytest.mark.parametrize("bias", [{"1": -150}, {"1": 100.5}])
-def test_a_pipeline_refusal_reads_the_same_on_the_openai_api_as_on_tritons(openai_frontend, server, model, bias):
-    """The number quoted back is the one sent, an integer or not, whichever API carried it."""
-    triton = requests.post(f"{server.url}/v2/models/ensemble/generate", timeout=60,
-                           json={"text_input": "Hi", "max_tokens": 2, "logit_bias": json.dumps(bias)})
-    openai_reply = post(openai_frontend, "chat/completions", {"model": model, "messages": CHAT, "max_tokens": 2,
-                                                              "logit_bias": bias})
-    assert triton.status_code == openai_reply.status_code == 400
-    assert triton.json()["error"].endswith(error_of(openai_reply)["message"]), (triton.text, openai_reply.text)
-    assert error_of(openai_reply)["message"].endswith(f"got {bias['1']}")
-
-
 def test_client_mistakes_are_openai_errors_naming_the_field(openai_frontend, model, body, status, param, message):
     """Whole and streamed alike: a refusal comes before the first byte of a stream, with its status."""
     for stream in (False,) if isinstance(body, str) or "stream_options" in body else (False, True):
