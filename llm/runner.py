@@ -22,6 +22,7 @@ import torch
 
 from llm import model
 from llm.kv import KVManager
+from llm.sampling import token_logprobs
 from llm.scheduler import Step
 from llm.sequence import TokenLogprobs
 from llm.shapes import MIN_SIZE, Shape, Shapes
@@ -109,11 +110,7 @@ class ModelRunner:
         own distribution, as for generated tokens) and the ``k`` most likely tokens there, by a pass of
         the prompt's own, eager, that neither reads nor writes the cache."""
         tokens = torch.tensor(ids, device=self.device)
-        logprobs = self.decoder.prompt_logits(tokens)[:-1].log_softmax(-1)
-        chosen = logprobs.gather(1, tokens[1:, None])[:, 0].tolist()
-        best = logprobs.topk(k, -1) if k else None
-        return [TokenLogprobs(lp, best.indices[i].tolist() if k else [], best.values[i].tolist() if k else [])
-                for i, lp in enumerate(chosen)]
+        return token_logprobs(self.decoder.prompt_logits(tokens)[:-1], tokens[1:], [k] * (len(ids) - 1))
 
     def _call(self, shape: Shape, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return (self._decode if shape.kind == "decode" else self._mixed)(*args)

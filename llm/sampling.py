@@ -120,17 +120,23 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> 
     (as vLLM reports it: before temperature and penalties) and the ``top_logprobs`` most likely tokens."""
     asking = [i for i, seq in enumerate(seqs) if seq.request.top_logprobs is not None]
     found: list[TokenLogprobs | None] = [None] * len(seqs)
-    if not asking:
-        return found
-    top = max(seqs[i].request.top_logprobs for i in asking)
-    logprobs = logits[asking].float().log_softmax(-1)
-    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in asking], device=logits.device))[:, 0].tolist()
-    best = logprobs.topk(top, -1) if top else None
-    for j, i in enumerate(asking):
-        k = seqs[i].request.top_logprobs
-        found[i] = TokenLogprobs(chosen[j], best.indices[j, :k].tolist() if k else [],
-                                 best.values[j, :k].tolist() if k else [])
+    if asking:
+        chosen = torch.tensor([tokens[i] for i in asking], device=logits.device)
+        for i, logprobs in zip(asking, token_logprobs(logits[asking], chosen, [seqs[i].request.top_logprobs for i in asking])):
+            found[i] = logprobs
     return found
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Row ``i``: ``tokens[i]``'s log-probability under ``logits[i]`` and the ``ks[i]`` most likely tokens
+    there, most likely first; one log-softmax and one top-k for the rows together, for generated tokens
+    (a step's rows) and prompt tokens (a prompt's positions) alike."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    top = max(ks, default=0)
+    best = logprobs.topk(top, -1) if top else None
+    return [TokenLogprobs(logprob, best.indices[i, :k].tolist() if k else [], best.values[i, :k].tolist() if k else [])
+            for i, (logprob, k) in enumerate(zip(chosen, ks))]
 
 
 # A sampled row draws among its most likely tokens first: exact whenever they hold its top-k, or the
