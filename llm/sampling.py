@@ -122,7 +122,8 @@ def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> 
     found: list[TokenLogprobs | None] = [None] * len(seqs)
     if asking:
         chosen = torch.tensor([tokens[i] for i in asking], device=logits.device)
-        for i, logprobs in zip(asking, token_logprobs(logits[asking], chosen, [seqs[i].request.top_logprobs for i in asking])):
+        ks = [seqs[i].request.top_logprobs for i in asking]
+        for i, logprobs in zip(asking, token_logprobs(logits[asking], chosen, ks)):
             found[i] = logprobs
     return found
 

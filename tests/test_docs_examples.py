@@ -125,11 +125,12 @@ def test_an_example_runs_as_written(addresses, request, index):
         check_transcript(code, example.code)
 
 
-def check_transcript(code: str, page: str) -> None:
-    """Run a transcript's commands in one shell (a variable one line sets, the next uses); each command's
-    output has the page's shape, and an error is the page's own."""
+def check_transcript(code: str, written: str) -> None:
+    """Run a transcript's commands (``code``, on the session's ports) in one shell (a variable one line
+    sets, the next uses); each command's output has the shape of the one ``written`` on the page, and an
+    error is the page's own."""
     commands = [line[2:] for line in code.splitlines() if line.startswith("$ ")]
-    shown = [output.strip() for output in re.split(r"^\$ .*\n?", page, flags=re.M)[1:]]
+    shown = [output.strip() for output in re.split(r"^\$ .*\n?", written, flags=re.M)[1:]]
     marker = "----- next -----"
     done = run(["bash", "-c", f"\necho '{marker}'\n".join(f"{{ {command}\n}} 2>&1" for command in commands)], REPO_ROOT)
     for command, expected, output in zip(commands, shown, done.stdout.split(marker + "\n"), strict=True):
