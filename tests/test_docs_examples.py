@@ -98,7 +98,8 @@ def shape(output: str) -> set[str]:
 
 
 def is_error(output: str) -> bool:
-    return output.startswith(('{"error"', "error:", '{"type":"error"'))
+    """An error as the pages show one: the OpenAI API's or Triton's object, or the client CLI's line."""
+    return output.startswith(('{"error"', "error:"))
 
 
 def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
