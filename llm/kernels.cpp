@@ -1,17 +1,28 @@
-// CPU kernels of our own, built by llm/kernels.py for the CPU it runs on (it says why and when).
+// CPU kernels of our own, built by llm/kernels.py once per instruction-set level (llama.cpp's CPU variants):
+// this file holds what every level shares (the packed layouts, the loops over groups of output rows and over
+// the rows of x, the checks, the registration) and includes the inner loops of the level it is built for:
 //
-// A bfloat16 linear layer, y = x @ w.T (+ bias), for CPUs with AVX512-BF16. A decode step multiplies a
-// row or a few by each weight, so it is bound by reading the weights once, and oneDNN's GEMM reads them
-// there at about half the rate a plain sum of the same bytes does (docs/benchmark.md). So the weights are
-// packed once, at load, into the order the kernel reads them, one sequential stream per thread:
+//   kernels_bf16.h  AVX512-BF16: vdpbf16ps multiplies bfloat16 pairs with float32 sums;
+//   kernels_vec.h   AVX-512 (F, BW, DQ, VL) and AVX2 + FMA: the same weights widened to float32 in registers
+//                   (bfloat16 by a shift, int8 and int4 by integer conversion), multiplied by FMA.
+//
+// Every level does the same arithmetic: float32 products of bfloat16 x and the stored weights (exact), summed
+// in float32; only the order of the sums differs between levels. Its ops are registered under the namespace
+// the build names (KERNELS_NAMESPACE: triton_chat_avx2, triton_chat_avx512, triton_chat_avx512bf16), so one
+// process can load every level the CPU runs (the tests do).
+//
+// A linear layer, y = x @ w.T (+ bias): a decode step multiplies a row or a few by each weight, so it is
+// bound by reading the weights once, and oneDNN's GEMM reads them there at about half the rate a plain sum
+// of the same bytes does (docs/benchmark.md). So the weights are packed once, at load, into the order the
+// kernel reads them, one sequential stream per thread:
 //
 //   packed[g][p][j][r][t] = w[64 g + 16 j + r][2 p + t]   (g: group of 64 rows, p: pair of columns)
 //
-// One vdpbf16ps then takes 64 bytes of weights (16 rows x one pair of columns) against a pair of x's
-// columns broadcast to every lane: each lane accumulates one output row, so no horizontal sums. Four
-// such vectors (a group's 64 rows) are dotted with up to four rows of x, sixteen accumulators in
-// registers. Columns are taken in slices that keep a group's slice in L1 while every row of x passes
-// over it, so a step of many rows (a prompt chunk) re-reads the weights from L1, not from memory.
+// A pair of columns of 16 rows is 64 bytes of bfloat16: one vdpbf16ps against a pair of x's columns, or two
+// vectors of float32 (the low halves of its 32-bit words shifted up, the high halves masked). Each lane
+// accumulates one output row, so no horizontal sums. Columns are taken in slices that keep a group's slice
+// in L1 while every row of x passes over it, so a step of many rows (a prompt chunk) re-reads the weights
+// from L1, not from memory.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,41 +41,36 @@
 
 namespace {
 
-constexpr int64_t kGroup = 64;   // output rows a group packs: four vectors of sixteen lanes
+constexpr int64_t kGroup = 64;   // output rows a group packs
 constexpr int64_t kSlice = 128;  // column pairs per slice: 64 rows x 256 columns x 2 bytes = 32 KiB, L1's size
-constexpr int64_t kRowsPerPass = 4;
+constexpr int64_t kInt4Columns = 32;  // input columns per d and m: Q4_0 and Q4_1's block
 
-// 32 int8 weights (16 rows x a pair of columns, packed order) as bfloat16, exactly: |q| <= 127 fits its 8 bits.
-inline __m512bh widen_int8(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
+#if defined(__AVX512F__)
+// The sums of sixteen vectors' lanes, lane i holding v[i]'s: halves, quarters, pairs, then single lanes
+// added across vectors at each step (15 shuffles and adds against 16 separate horizontal sums).
+inline __m512 sums16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  // Lane 4k + m of z holds v[4m + k]'s sum.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
+#endif
 
-// 32 weights (16 rows x a pair of columns, packed order) as bfloat16: where they lie, or widened from int8
-// in registers as they are read (for a few rows of x, cheaper than widening into L1 and reading back).
-inline __m512bh weights32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh weights32(const int8_t* p) { return widen_int8(p); }
+}  // namespace
 
-// acc[m][j] (+)= x[m, 2 p0 : 2 p1] . a group's slice of packed weights (``wp``: its pair p0), for MR rows of x.
-template <int MR, typename W>
-inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64_t p1, float* out, bool first) {
-  __m512 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * kGroup + 16 * j);
-  for (int64_t p = p0; p < p1; ++p, wp += kGroup * 2) {
-    const __m512bh w0 = weights32(wp), w1 = weights32(wp + 32), w2 = weights32(wp + 64), w3 = weights32(wp + 96);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xv, w3);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
-}
+#if defined(__AVX512BF16__)
+#include "kernels_bf16.h"
+#else
+#include "kernels_vec.h"
+#endif
+
+namespace {
 
 // packed: [groups, pairs, 64, 2] from w [N, K] (bfloat16 or int8); rows past N and the column past an odd K are zeros.
 template <typename T>
@@ -96,7 +102,7 @@ void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const
       y[m * ldy + r] = Out(out[m * kGroup + r] * (scale ? scale[r] : 1.0f) + (bias ? bias[r] : 0.0f));
 }
 
-// Calls f(std::integral_constant<int, MR>) for the next MR = min(4, left) rows of x.
+// Calls f(std::integral_constant<int, MR>) for the next MR = min(kRowsPerPass, left) rows of x (at most 4).
 template <typename F>
 inline void rows(int64_t left, F f) {
   switch (std::min(kRowsPerPass, left)) {
@@ -147,8 +153,7 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
         const c10::BFloat16* wb = nullptr;
         if constexpr (int8) {
           if (widen) {
-            for (int64_t i = 0; i < (p1 - p0) * kGroup * 2; i += 32)
-              _mm512_storeu_si512(buffer.data() + i, (__m512i)widen_int8(wp + i));
+            widen_int8(wp, buffer.data(), (p1 - p0) * kGroup * 2);
             wb = buffer.data();
           }
         } else {
@@ -197,48 +202,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 //   nibbles[g][h][p][b] (a byte): low nibble q[64 g + 32 h + b / 2][2 p + b % 2], high nibble the same 16 rows on
 //   scales[g][h][c][s][r] (float16): d (s = 0) or m (s = 1) of row 64 g + 32 h + r over columns 32 c to 32 c + 31
 //
-// One 32-byte load widened to 16-bit lanes holds, in its low and high nibbles, two vectors of 16 rows x a
-// pair of columns; a 32-entry table (vpermw, which reads an index's low 5 bits) turns each into bfloat16,
-// exactly. A column group's sums of x . q then take d, and m takes the group's sum of x (once per row of x):
-// sum_k x_k w_k = d sum_k x_k q_k + m sum_k x_k. Every row of x runs the same operations in the same order,
-// so a row's result does not depend on the rows beside it.
-constexpr int64_t kInt4Columns = 32;  // input columns per d and m: Q4_0 and Q4_1's block
-
-template <int MR>
-inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
-                      const c10::Half* scales, int64_t pairs, float* out) {
-  alignas(64) static const uint16_t kTable[32] = {  // bfloat16 of i % 16
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  const __m512i table = _mm512_load_si512(kTable);
-  const auto half16 = [](const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t c = 0, p = 0; p < pairs; ++c, scales += 64) {
-    __m512 t[MR][2];
-    for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = _mm512_setzero_ps();
-    for (const int64_t end = p + kInt4Columns / 2; p < end; ++p, nibbles += 32) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles)));
-      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
-      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
-        t[m][0] = _mm512_dpbf16_ps(t[m][0], xv, w0);
-        t[m][1] = _mm512_dpbf16_ps(t[m][1], xv, w1);
-      }
-    }
-    const __m512 d0 = half16(scales), d1 = half16(scales + 16), m0 = half16(scales + 32), m1 = half16(scales + 48);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 s = _mm512_set1_ps(xsum[m * ldsum + c]);
-      acc[m][0] = _mm512_fmadd_ps(m0, s, _mm512_fmadd_ps(t[m][0], d0, acc[m][0]));
-      acc[m][1] = _mm512_fmadd_ps(m1, s, _mm512_fmadd_ps(t[m][1], d1, acc[m][1]));
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(out + m * kGroup, acc[m][0]);
-    _mm512_storeu_ps(out + m * kGroup + 16, acc[m][1]);
-  }
-}
+// A pair's 32 bytes hold, in their low and high nibbles, 16 rows x a pair of columns each, which every level
+// widens exactly in registers (its header says how). A column group's sums of x . q then take d, and m takes
+// the group's sum of x (once per row of x): sum_k x_k w_k = d sum_k x_k q_k + m sum_k x_k. Every row of x
+// runs the same operations in the same order, so a row's result does not depend on the rows beside it.
 
 // (nibbles, scales) from q [N, K] (int32 in [0, 15]) and d, m [N, K / 32] (float32); rows past N are zeros.
 std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
@@ -312,94 +279,6 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
   return y;
 }
 
-inline __m512 widen(const c10::BFloat16* p) {  // 16 bfloat16 as float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// The sums of sixteen vectors' lanes, lane i holding v[i]'s: halves, quarters, pairs, then single lanes
-// added across vectors at each step (15 shuffles and adds against 16 separate horizontal sums).
-inline __m512 sums16(__m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  // Lane 4k + m of z holds v[4m + k]'s sum.
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
-}
-
-// e^x for x <= 0 (scores less their maximum), sixteen at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
-// its Taylor polynomial to r^7 (relative error under 2e-7, below float32's rounding of the sum), 2^n put
-// in the exponent; x is taken no lower than -87 (e^-87, about 1.6e-38: nothing beside the maximum's 1).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // p x 2^n
-}
-
-// One query head over one row's keys and values, DIM wide (a multiple of 32), read in place through
-// the row's slots: scores by vdpbf16ps, a float32 softmax, then the values summed in registers.
-template <int DIM>
-void attend(const c10::BFloat16* query, const c10::BFloat16* keys, const c10::BFloat16* values, const int64_t* slots,
-            int64_t length, float scale, float* scores, c10::BFloat16* out) {
-  __m512bh q[DIM / 32];
-  for (int i = 0; i < DIM / 32; ++i) q[i] = (__m512bh)_mm512_loadu_si512(query + 32 * i);
-  auto dot = [&](int64_t p) {
-    const c10::BFloat16* key = keys + slots[p] * DIM;
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < DIM / 32; ++i) acc = _mm512_dpbf16_ps(acc, q[i], (__m512bh)_mm512_loadu_si512(key + 32 * i));
-    return acc;
-  };
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  __m512 top16 = _mm512_set1_ps(-INFINITY);
-  int64_t p = 0;
-  for (; p + 16 <= length; p += 16) {  // sixteen dots summed across lanes together
-    __m512 v[16];
-    for (int i = 0; i < 16; ++i) v[i] = dot(p + i);
-    const __m512 s = _mm512_mul_ps(sums16(v), scale16);
-    _mm512_storeu_ps(scores + p, s);
-    top16 = _mm512_max_ps(top16, s);
-  }
-  float top = _mm512_reduce_max_ps(top16);
-  for (; p < length; ++p) {
-    scores[p] = _mm512_reduce_add_ps(dot(p)) * scale;
-    top = std::max(top, scores[p]);
-  }
-  const __m512 top16s = _mm512_set1_ps(top);
-  __m512 sum16 = _mm512_setzero_ps();
-  for (int64_t p = 0; p < length; p += 16) {  // the tail masked: its lanes load and store nothing
-    const __mmask16 lanes = length - p >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - p)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + p), top16s));
-    _mm512_mask_storeu_ps(scores + p, lanes, e);
-    sum16 = _mm512_add_ps(sum16, _mm512_maskz_mov_ps(lanes, e));
-  }
-  const float sum = _mm512_reduce_add_ps(sum16);
-  __m512 acc[DIM / 16];
-  for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < length; ++p) {
-    const c10::BFloat16* value = values + slots[p] * DIM;
-    const __m512 weight = _mm512_set1_ps(scores[p]);
-    for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_fmadd_ps(weight, widen(value + 16 * i), acc[i]);
-  }
-  alignas(64) float result[DIM];
-  const __m512 inverse = _mm512_set1_ps(length ? 1.0f / sum : 0.0f);
-  for (int i = 0; i < DIM / 16; ++i) _mm512_store_ps(result + 16 * i, _mm512_mul_ps(acc[i], inverse));
-  for (int i = 0; i < DIM; ++i) out[i] = c10::BFloat16(result[i]);
-}
-
 // Attention over the paged cache, in place: one query token per row, attending to the first lengths[r]
 // of its slots[r] (cache slots, position by position): a decode row over its context, or a prompt chunk's
 // token over its sequence's slots up to itself (causal); keys and values are read where they
@@ -428,7 +307,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* lp = lc.const_data_ptr<int64_t>();
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(columns);
+    std::vector<float> scores(columns + 16);  // room for a last vector's lanes
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, g = task % kv_heads, length = std::clamp<int64_t>(lp[r], 0, columns);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -446,7 +325,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 }  // namespace
 
-TORCH_LIBRARY(triton_chat_cpu, m) {
+TORCH_LIBRARY(KERNELS_NAMESPACE, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float32=False) -> Tensor");
@@ -456,7 +335,7 @@ TORCH_LIBRARY(triton_chat_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor nibbles, Tensor scales, int N, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(triton_chat_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(KERNELS_NAMESPACE, CPU, m) {
   m.impl("bf16_pack", &bf16_pack);
   m.impl("bf16_linear", &bf16_linear);
   m.impl("int8_pack", &int8_pack);

@@ -1,47 +1,89 @@
-"""Our own CPU kernels (``llm/kernels.cpp``), compiled for the CPU at hand the first time a model loads.
+"""Our own CPU kernels (``llm/kernels.cpp``), built for an instruction-set level the CPU has, the first
+time a model loads.
 
 Why: a decode step is bound by reading the weights once, and on 2 cores oneDNN's GEMM reads bfloat16
 weights at a row or a few at about half the rate a plain sum of the same bytes does (docs/benchmark.md
-has the measurements). The kernel reads them at the sum's rate and is as fast as oneDNN up to
-prompt-sized steps.
+has the measurements); on a CPU without AVX512-BF16 it cannot take bfloat16 weights at all, and the model
+ran in float32, twice the bytes. The kernels read bfloat16, int8 or int4 weights at the sum's rate with
+float32 sums on any x86-64 CPU with AVX2, and are as fast as oneDNN up to prompt-sized steps.
 
-Where: CPUs with AVX512-BF16 (the ones ``dtype: auto`` runs in bfloat16), when a C++ compiler is there
-(the image and these machines have g++). It is built with ``-march=native`` against the installed torch
-into the compile cache (inductor's ``TORCHINDUCTOR_CACHE_DIR``), under a name that covers the source, the
-torch version and the CPU's flags, so a restart loads it in milliseconds and another CPU builds its own.
-Anywhere else, or if the build fails, ``load`` says why and the model runs on oneDNN as before.
+Levels, as llama.cpp builds its CPU variants (``LEVELS``, best first): ``avx512bf16`` (vdpbf16ps),
+``avx512`` (F, BW, DQ, VL) and ``avx2`` (with FMA and F16C), the last two one source that widens the
+weights to float32 in registers. ``load`` takes the best the CPU has, or the one the ``CPU_KERNELS``
+environment variable names (``auto``, the default; a level: a lower one than the CPU's best forces that
+path, as the tests do for every level the machine runs; or ``none``: oneDNN and torch only). Each level is built with its own ``-m``
+flags against the installed torch into the compile cache (inductor's ``TORCHINDUCTOR_CACHE_DIR``), under
+a name that covers the sources, the level, the torch version and the CPU's flags, so a restart loads it
+in milliseconds; its ops live under a namespace of its own (``torch.ops.triton_chat_avx2``, ...), so one
+process can hold several. Where none runs (a CPU without AVX2, an Arm one, a failed build), ``load`` says
+why and the model runs on oneDNN and torch as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "kernels_bf16.h", "kernels_vec.h")]
+SETTING = "CPU_KERNELS"
+# Each level: the /proc/cpuinfo flags it needs, the compiler's flags for them, and what the load log calls it.
+_AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "avx512bf16": (("avx2", "fma", "f16c", *_AVX512, "avx512_bf16"),
+                   ("-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in _AVX512), "-mavx512bf16"), "AVX512-BF16"),
+    "avx512": (("avx2", "fma", "f16c", *_AVX512), ("-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in _AVX512)),
+               "AVX-512"),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "AVX2"),
+}
 _lock = threading.Lock()
-loaded = False  # whether torch.ops.triton_chat_cpu is there: what traced code reads (it cannot call ``load``)
+ops = None  # the chosen level's ``torch.ops`` namespace, once ``load`` found one; what traced code reads
+level: str | None = None  # its name
 
 
-def _cpu_flags() -> str:
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
     try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return ""
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
-def _command(source: Path, target: Path) -> list[str]:
+def runnable() -> list[str]:
+    """The levels this CPU executes, best first (none on a CPU that is not x86-64 with AVX2)."""
+    flags = cpu_flags()
+    return [name for name, (needs, _, _) in LEVELS.items() if flags.issuperset(needs)]
+
+
+def setting() -> str:
+    """``CPU_KERNELS``: ``auto``, a level or ``none``; anything else is refused naming the variable and its values."""
+    value = os.environ.get(SETTING, "auto").strip() or "auto"
+    if value not in ("auto", *LEVELS, "none"):
+        raise ValueError(f"{SETTING} must be auto, {', '.join(LEVELS)} or none, got {value!r}")
+    return value
+
+
+def describe() -> str:
+    """The chosen level for the load log: ``our AVX2 kernels``."""
+    return f"our {LEVELS[level][2]} kernels" if level else "no kernels of ours"
+
+
+def _command(source: Path, target: Path, name: str) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     lib = cpp_extension.library_paths()[0]
-    return ["g++", "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+    return ["g++", "-O3", *LEVELS[name][1], "-mtune=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC",
+            "-fopenmp", "-w", f"-DKERNELS_NAMESPACE=triton_chat_{name}",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes, str(source),
             "-o", str(target), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
@@ -52,16 +94,19 @@ def _cache_dir() -> Path:
     return Path(cache_dir()) / "triton_chat_kernels"
 
 
-@lru_cache(maxsize=1)
-def load() -> str | None:
-    """Build (once per CPU, source and torch) and load the kernels: None when ``torch.ops.triton_chat_cpu``
-    is ready, its shapes known to the compiler; else why not."""
-    if not torch.cpu._is_avx512_bf16_supported():
-        return "this CPU lacks AVX512-BF16"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+@lru_cache(maxsize=None)
+def build(name: str) -> str | None:
+    """Build (once per CPU, sources, level and torch) and load level ``name``: None when
+    ``torch.ops.triton_chat_<name>`` is ready, its shapes known to the compiler; else why not."""
+    needs, _, title = LEVELS[name]
+    missing = sorted(set(needs) - cpu_flags())
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}, which {title} needs"
+    parts = [path.read_bytes() for path in SOURCES] + [name.encode(), torch.__version__.encode(),
+                                                       " ".join(sorted(cpu_flags())).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     folder = _cache_dir()
-    target = folder / f"kernels-{key}.so"
+    target = folder / f"kernels-{name}-{key}.so"
     with _lock:
         if not target.exists():
             partial = None
@@ -70,23 +115,63 @@ def load() -> str | None:
                 # Built beside, then renamed: another process loading the same file never sees half of it.
                 fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
                 os.close(fd)
-                subprocess.run(_command(SOURCE, Path(partial)), check=True, capture_output=True, text=True, timeout=600)
+                subprocess.run(_command(SOURCES[0], Path(partial), name), check=True, capture_output=True, text=True,
+                               timeout=600)
                 os.replace(partial, target)
             except (OSError, subprocess.SubprocessError) as e:
                 if partial is not None:
                     Path(partial).unlink(missing_ok=True)
                 detail = getattr(e, "stderr", None) or str(e)
-                return f"building {SOURCE.name} failed: {detail.strip()[-400:]}"
+                return f"building {SOURCES[0].name} for {title} failed: {detail.strip()[-400:]}"
         torch.ops.load_library(str(target))
-        torch.library.register_fake("triton_chat_cpu::paged_attention",
+        namespace = f"triton_chat_{name}"
+        torch.library.register_fake(f"{namespace}::paged_attention",
                                     lambda q, k_cache, v_cache, slots, lengths, scale: torch.empty_like(q))
-        torch.library.register_fake("triton_chat_cpu::bf16_linear",
+        torch.library.register_fake(f"{namespace}::bf16_linear",
                                     lambda x, packed, n, bias, float32=False: x.new_empty(
                                         x.shape[0], n, dtype=torch.float32 if float32 else x.dtype))
-        torch.library.register_fake("triton_chat_cpu::int8_linear",
+        torch.library.register_fake(f"{namespace}::int8_linear",
                                     lambda x, packed, scale, n, bias: x.new_empty(x.shape[0], n))
-        torch.library.register_fake("triton_chat_cpu::int4_linear",
+        torch.library.register_fake(f"{namespace}::int4_linear",
                                     lambda x, nibbles, scales, n, bias: x.new_empty(x.shape[0], n))
-    global loaded
-    loaded = True
     return None
+
+
+def load() -> str | None:
+    """Choose the level (``CPU_KERNELS``, else the best this CPU runs) and build it: None when ``ops`` is
+    ready, else why not (the model then runs on oneDNN). A level forced past what the CPU runs is refused
+    with the missing flags, never executed."""
+    global ops, level
+    ops, level = None, None
+    wanted = setting()
+    if wanted == "none":
+        return f"{SETTING}=none"
+    if wanted != "auto":
+        chosen = wanted
+    elif not (found := runnable()):
+        return "this CPU has no AVX2 with FMA and F16C (our kernels' lowest level)"
+    else:
+        chosen = found[0]
+    why = build(chosen)
+    if why is None:
+        ops, level = getattr(torch.ops, f"triton_chat_{chosen}"), chosen
+    return why
+
+
+@contextlib.contextmanager
+def using(name: str | None) -> Iterator[None]:
+    """Level ``name`` (None: no kernels) for what is built inside, as ``CPU_KERNELS`` would choose it: for tests
+    that run every level the CPU executes in one process."""
+    global ops, level
+    before, saved = (ops, level), os.environ.get(SETTING)
+    try:
+        os.environ[SETTING] = name or "none"
+        if (why := load()) is not None and name is not None:
+            raise RuntimeError(why)
+        yield
+    finally:
+        ops, level = before
+        if saved is None:
+            os.environ.pop(SETTING, None)
+        else:
+            os.environ[SETTING] = saved

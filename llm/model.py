@@ -152,33 +152,36 @@ torch.library.register_fake("triton_chat::packed_linear",
 
 
 def _ours(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` runs on our CPU kernel (``llm/kernels.py``: bfloat16, on a CPU that has it)."""
+    """Whether ``weight`` runs on our CPU kernel (``llm/kernels.py``: bfloat16, on a CPU with AVX2 or better)."""
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None
 
 
 class Linear(torch.nn.Module):
     """A weight used as ``F.linear``. On CPUs, bfloat16 weights go to our kernel (``llm/kernels.py``: it
     reads them at the machine's speed), packed in its order; other weights, or without the kernel, are
-    packed by oneDNN. Plain on GPUs."""
+    packed by oneDNN where it takes their dtype (bfloat16 only on CPUs with AVX-512 BW, DQ and VL or
+    AVX-NE-CONVERT; elsewhere its reorder fails), else used as they are. Plain on GPUs."""
 
     def __init__(self, weight: torch.Tensor, context: Context, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
         self.context, self.index = context.key, None
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        self.weight = self.packed = None
+        self.weight = self.packed = self.op = None
         if _ours(weight):
-            self.packed = torch.nn.Parameter(torch.ops.triton_chat_cpu.bf16_pack(weight.detach()), requires_grad=False)
+            self.packed = torch.nn.Parameter(kernels.ops.bf16_pack(weight.detach()), requires_grad=False)
+            self.op = kernels.ops.bf16_linear
             if bias is not None:
                 self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
-        elif weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        elif weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+                weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             self.index = context.pack(weight)
         else:
             self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.triton_chat_cpu.bf16_linear(x, self.packed, self.out_features, self.bias)
+            return self.op(x, self.packed, self.out_features, self.bias)
         if self.index is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.triton_chat.packed_linear(x, self.context, self.index, self.out_features, self.bias)
@@ -214,8 +217,7 @@ class Head(torch.nn.Module):
         """Float32 logits of the float32 hidden states ``h`` (``[rows, hidden]``)."""
         if not self.fast:
             return self.linear(h)
-        approx = torch.ops.triton_chat_cpu.bf16_linear(h.to(torch.bfloat16), self.linear.packed,
-                                                       self.linear.out_features, None, True)
+        approx = self.linear.op(h.to(torch.bfloat16), self.linear.packed, self.linear.out_features, None, True)
         bound = self.error * torch.linalg.vector_norm(h, dim=-1, keepdim=True)
         top = (approx + bound).topk(self.CANDIDATES + 1, dim=-1)
         ids = top.indices[:, : self.CANDIDATES]
@@ -226,17 +228,17 @@ class Head(torch.nn.Module):
 
 def _in_place(q: torch.Tensor) -> bool:
     """Whether attention reads the paged cache where it lies: our CPU kernel (``llm/kernels.cpp``: bfloat16
-    on a CPU that has it, head_dim 64 or 128), or on CUDA ``llm/gpu_attention.py``'s once its ``load``
-    found it right on this device."""
+    on a CPU with AVX2 or better, head_dim 64 or 128), or on CUDA ``llm/gpu_attention.py``'s once its
+    ``load`` found it right on this device."""
     if q.device.type == "cpu":
-        return kernels.loaded and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+        return kernels.ops is not None and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
     return gpu_attention.ready
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """The in-place kernel of ``q``'s device (``_in_place``): a row per query token over its slots."""
-    on = torch.ops.triton_chat_cpu if q.device.type == "cpu" else torch.ops.triton_chat_gpu
+    on = kernels.ops if q.device.type == "cpu" else torch.ops.triton_chat_gpu
     return on.paged_attention(q, k_cache, v_cache, slots, lengths, scale)
 
 

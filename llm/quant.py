@@ -130,12 +130,13 @@ class QuantizedLinear(torch.nn.Module):
             ready = None
         self.setting, self.out_features = setting, weight.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        # Our int8 and int4 kernels where the bf16 one runs (llm/model.py's ``_ours``): bfloat16 on a CPU that has it.
+        # Our int8 and int4 kernels where the bf16 one runs (llm/model.py's ``_ours``): bfloat16, AVX2 or better.
         self.ours = (setting in ("int8", "int4") and weight.device.type == "cpu" and dtype == torch.bfloat16
                      and kernels.load() is None)
+        self.op = (kernels.ops.int8_linear if setting == "int8" else kernels.ops.int4_linear) if self.ours else None
         if self.ours and setting == "int8":
             q, scale = int8_weights(weight)
-            self.q = torch.nn.Parameter(torch.ops.triton_chat_cpu.int8_pack(q), requires_grad=False)
+            self.q = torch.nn.Parameter(kernels.ops.int8_pack(q), requires_grad=False)
             self.scales = torch.nn.Parameter(scale, requires_grad=False)
             if bias is not None:
                 self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -150,7 +151,7 @@ class QuantizedLinear(torch.nn.Module):
             self.scales = torch.nn.Parameter(scale if self.scaled else scale.to(dtype), requires_grad=False)
         elif self.ours:  # Q4_1's own arithmetic, w = d q + m, d and m in float16 as a GGUF holds them
             q, scale, zero = ready or int4_weights(weight)
-            packed = torch.ops.triton_chat_cpu.int4_pack(q, scale, zero - 8 * scale)
+            packed = kernels.ops.int4_pack(q, scale, zero - 8 * scale)
             self.q, self.scales = (torch.nn.Parameter(t, requires_grad=False) for t in packed)
             if bias is not None:
                 self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -172,10 +173,8 @@ class QuantizedLinear(torch.nn.Module):
         return "torch weight-only kernels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ours and self.setting == "int4":
-            return torch.ops.triton_chat_cpu.int4_linear(x, self.q, self.scales, self.out_features, self.bias)
-        if self.ours:
-            return torch.ops.triton_chat_cpu.int8_linear(x, self.q, self.scales, self.out_features, self.bias)
+        if self.ours:  # int8's scales are per row, int4's its packed d and m
+            return self.op(x, self.q, self.scales, self.out_features, self.bias)
         if self.setting == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         elif self.setting == "fp8" and self.scaled:  # both in fp8, float32 sums, each side's row scales after

@@ -19,6 +19,7 @@ from launcher.paths import MODEL_REPOSITORY
 from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
 from launcher.tritonserver import TritonServer
+from llm import kernels
 
 ADMIN_KEY = "test-admin-key"
 
@@ -54,6 +55,20 @@ class Letters:
     def get_vocab(self) -> dict[str, int]:
         return {f"t{i}": i for i in range(self.size)}
 _servers: list[TritonServer] = []
+
+
+def forced_kernels(request: pytest.FixtureRequest):
+    """``CPU_KERNELS`` set to ``request.param`` (a level of ``llm.kernels.LEVELS``, or none) for what the test
+    builds and runs; a level this CPU cannot execute is skipped, naming the flags it lacks."""
+    if request.param != "none" and (why := kernels.build(request.param)) is not None:
+        pytest.skip(why)
+    with kernels.using(None if request.param == "none" else request.param):
+        yield request.param
+
+
+# Every kernel level in turn (the kernel tests), and those and none (what runs without them: oneDNN, torch).
+level = pytest.fixture(params=list(kernels.LEVELS))(forced_kernels)
+cpu_kernels = pytest.fixture(params=[*kernels.LEVELS, "none"])(forced_kernels)
 
 
 @pytest.fixture(scope="session")

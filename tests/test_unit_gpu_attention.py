@@ -21,7 +21,7 @@ from llm import gpu_attention
 CHECK = r"""
 import torch
 from llm import gpu_attention, kernels, model as M
-kernels.loaded = False  # the reference: the gathered attention
+kernels.ops = None  # the reference: the gathered attention
 torch.manual_seed(0)
 attention = gpu_attention.op()
 for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-2)):

@@ -1,7 +1,7 @@
-"""Our CPU kernels (llm/kernels.cpp) against their definitions, and the bfloat16 head's exactness.
-
-They run only where they are built (CPUs with AVX512-BF16); elsewhere these tests skip, saying why, and
-the engine runs on oneDNN and the compiled graph's attention as before."""
+"""Our CPU kernels (llm/kernels.cpp) against their definitions, and the bfloat16 head's exactness, at every
+instruction-set level (``kernels.LEVELS``, conftest's ``level``) the test machine executes: a machine with
+AVX512-BF16 proves the AVX-512 and AVX2 paths too; one with AVX2 only skips the levels above it, saying
+which flags it lacks. Where none runs the engine uses oneDNN and the compiled graph's attention."""
 
 from __future__ import annotations
 
@@ -13,20 +13,18 @@ from conftest import Letters
 from llm import kernels
 from llm import model as M
 
-pytestmark = pytest.mark.skipif(kernels.load() is not None, reason=f"no kernels here: {kernels.load()}")
-
 
 @pytest.mark.parametrize("m, n, k", [(1, 960, 576), (4, 64, 576), (5, 577, 101), (16, 3072, 576), (1, 5, 31),
                                      (300, 200, 600), (0, 64, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("float32", [False, True])
-def test_bf16_linear_is_the_product_summed_in_float32(m, n, k, bias, float32):
+def test_bf16_linear_is_the_product_summed_in_float32(level, m, n, k, bias, float32):
     """Every row count (a decode step's few, a prompt chunk's many), ragged N and odd K, bias or not,
     bfloat16 or float32 out: the float32 product of the bfloat16 operands, to float32's rounding."""
     torch.manual_seed(m + n + k)
     x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
     b = torch.randn(n) if bias else None
-    got = torch.ops.triton_chat_cpu.bf16_linear(x, torch.ops.triton_chat_cpu.bf16_pack(w), n, b, float32)
+    got = kernels.ops.bf16_linear(x, kernels.ops.bf16_pack(w), n, b, float32)
     expected = x.double() @ w.double().T + (b.double() if bias else 0)
     assert got.dtype == (torch.float32 if float32 else torch.bfloat16) and got.shape == (m, n)
     if float32:
@@ -35,18 +33,19 @@ def test_bf16_linear_is_the_product_summed_in_float32(m, n, k, bias, float32):
         torch.testing.assert_close(got, expected.bfloat16(), rtol=2**-7, atol=1e-2)
 
 
-def test_bf16_linear_takes_strided_rows():
+def test_bf16_linear_takes_strided_rows(level):
     x, w = torch.randn(8, 128).bfloat16(), torch.randn(64, 64).bfloat16()
-    packed = torch.ops.triton_chat_cpu.bf16_pack(w)
+    packed = kernels.ops.bf16_pack(w)
     view = x[::2, 32:96]  # neither row nor column contiguous as a whole
-    torch.testing.assert_close(torch.ops.triton_chat_cpu.bf16_linear(view, packed, 64, None, False),
-                               torch.ops.triton_chat_cpu.bf16_linear(view.contiguous(), packed, 64, None, False))
+    torch.testing.assert_close(kernels.ops.bf16_linear(view, packed, 64, None, False),
+                               kernels.ops.bf16_linear(view.contiguous(), packed, 64, None, False))
 
 
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("rows, columns, heads, kv_heads", [(1, 64, 9, 3), (16, 640, 9, 3), (3, 37, 8, 8), (5, 17, 32, 8)])
 @pytest.mark.parametrize("sharpness", [1, 40])
-def test_paged_attention_reads_the_paged_cache_in_place_for_decode_rows(dim, rows, columns, heads, kv_heads, sharpness):
+def test_paged_attention_reads_the_paged_cache_in_place_for_decode_rows(level, dim, rows, columns, heads, kv_heads,
+                                                                         sharpness):
     """Against the graph's own attention (llm/model.py's gather, softmax and matmuls) in float32:
     scattered slots, ragged lengths (one position, a block and one, every column), grouped heads; scores
     of order 1, and of order 100 (a softmax near one-hot: the kernel's exp far below the maximum)."""
@@ -55,17 +54,14 @@ def test_paged_attention_reads_the_paged_cache_in_place_for_decode_rows(dim, row
     q = (torch.randn(rows, heads, dim) * sharpness).bfloat16()
     slots = torch.randint(0, 4096, (rows, columns))
     lengths = torch.tensor([[1, 17, columns][i % 3] for i in range(rows)])
-    got = torch.ops.triton_chat_cpu.paged_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
-    assert kernels.loaded  # so the compiled graph takes this path for bfloat16
-    kernels.loaded = False
-    try:
+    got = kernels.ops.paged_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
+    assert M._in_place(q)  # so the compiled graph takes this path for bfloat16
+    with kernels.using(None):
         expected = M.decode_attention(q.float(), k_cache.float(), v_cache.float(), slots, lengths, dim**-0.5)
-    finally:
-        kernels.loaded = True
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
 
 
-def test_a_mixed_steps_prompt_chunks_attend_in_place_as_the_gathered_attention_does():
+def test_a_mixed_steps_prompt_chunks_attend_in_place_as_the_gathered_attention_does(level):
     """A mixed step's decode rows and prompt chunks (one from position 0, one from the middle of its
     sequence) all go through the kernel, each chunk token over its sequence's slots up to itself: the
     result is the gathered, causally masked attention's (float32), and nothing is gathered (no index op)."""
@@ -80,20 +76,17 @@ def test_a_mixed_steps_prompt_chunks_attend_in_place_as_the_gathered_attention_d
     with torch.profiler.profile() as trace:
         got = M.mixed_attention(q, k_cache, v_cache, context.key)
     ops = {event.key for event in trace.key_averages()}
-    assert "triton_chat_cpu::paged_attention" in ops and not ops & {"aten::index_select", "aten::index"}, ops
-    kernels.loaded = False
-    try:
+    assert f"triton_chat_{level}::paged_attention" in ops and not ops & {"aten::index_select", "aten::index"}, ops
+    with kernels.using(None):
         expected = M.mixed_attention(q.float(), k_cache.float(), v_cache.float(), context.key)
-    finally:
-        kernels.loaded = True
     torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-2)
     assert not got[86:].any()  # padding tokens: zeros
 
 
 @pytest.fixture(scope="module")
-def head(model_dir) -> tuple[M.Head, torch.Tensor, torch.Tensor]:
-    """The default model's bfloat16 head, its float32 weights, and the final hidden states of a greedy
-    reply (float32, as the decoder hands them to the head)."""
+def reply(model_dir) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default model's output layer in bfloat16, and the final hidden states of a greedy reply (float32,
+    as the decoder hands them to the head)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -102,7 +95,13 @@ def head(model_dir) -> tuple[M.Head, torch.Tensor, torch.Tensor]:
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
                           output_hidden_states=True, return_dict_in_generate=True)
     hidden = torch.cat([step[-1][0] for step in out.hidden_states])  # every prompt and reply position
-    weight = hf.lm_head.weight.detach().bfloat16()  # a bfloat16 model's: float32 is its upcast
+    return hf.lm_head.weight.detach().bfloat16(), hidden  # a bfloat16 model's weights: float32 is their upcast
+
+
+@pytest.fixture
+def head(level, reply) -> tuple[M.Head, torch.Tensor, torch.Tensor]:
+    """The bfloat16 head on ``level``'s kernel, its float32 weights, and the reply's hidden states."""
+    weight, hidden = reply
     return M.Head(weight, M.Context()), weight.float(), hidden
 
 
@@ -157,7 +156,7 @@ def near_ties(weight: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor,
     return torch.stack(cases), first, second
 
 
-def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_nothing_under_traffic():
+def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_nothing_under_traffic(level):
     """The kernels are opaque operators inside the compiled step (no graph break, which would cut the
     step into a graph per layer), and traffic of every row count compiles nothing more."""
     from torch._dynamo.utils import counters
@@ -188,4 +187,4 @@ def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_n
             engine.step()
     assert COMPILATIONS.count == built and all(len(s.output_ids) == 8 + i for i, s in enumerate(seqs))
     ran = {event.name for event in trace.events()}
-    assert {"triton_chat_cpu::bf16_linear", "triton_chat_cpu::paged_attention", "triton_chat::settled_logits"} <= ran
+    assert {f"triton_chat_{level}::bf16_linear", f"triton_chat_{level}::paged_attention", "triton_chat::settled_logits"} <= ran

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from llm.reference import StaticGenerator
 from conftest import Letters
 from llm import LLM, LLMConfig, kernels, quant
+from llm.model import Context, Linear
 from llm.sequence import Sequence
 from test_unit_engine import run
 
@@ -47,13 +48,13 @@ def test_int4_groups_map_their_minimum_and_maximum_to_0_and_15():
 
 @pytest.mark.parametrize("setting", quant.QUANTIZED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, dtype, rows):
+@pytest.mark.parametrize("rows", [1, 3, 5, 64])
+def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(cpu_kernels, setting, dtype, rows):
     w, bias = weights().to(dtype), torch.randn(96).to(dtype)
     layer = quant.QuantizedLinear(setting, w, bias, dtype)
-    # int8 and int4 in bfloat16 run our kernels where the CPU has AVX512-BF16: int8's in-register path (up
-    # to 4 rows) and its widened-slice path (more).
-    assert layer.ours == (setting in ("int8", "int4") and dtype == torch.bfloat16 and kernels.load() is None)
+    # int8 and int4 in bfloat16 run our kernels at every level (CPU_KERNELS=none: torch's): int8's in-register
+    # path (up to 2 or 4 rows, by level) and its widened-slice path (more).
+    assert layer.ours == (setting in ("int8", "int4") and dtype == torch.bfloat16 and cpu_kernels != "none")
     if setting == "int8":
         q, scale = quant.int8_weights(w)
         reference = q.float() * scale.to(dtype).float()[:, None]
@@ -74,12 +75,12 @@ def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(setting, d
     torch.testing.assert_close(layer(x).float(), expected, atol=tolerance * expected.abs().max().item(), rtol=0)
 
 
-@pytest.mark.skipif(kernels.load() is not None, reason="our CPU kernels need AVX512-BF16")
-@pytest.mark.parametrize("setting", ["int8", "int4"])
-def test_a_rows_result_on_our_kernels_does_not_depend_on_the_rows_beside_it(setting):
+@pytest.mark.parametrize("setting", ["bf16", "int8", "int4"])
+def test_a_rows_result_on_our_kernels_does_not_depend_on_the_rows_beside_it(level, setting):
     """A request's tokens are the same alone or in any batch: each row of x takes the same operations in
-    the same order, in-register (up to 4 rows) or not, on every output row (64 of a group, and the rest)."""
-    layer = quant.QuantizedLinear(setting, weights(n=200, k=192).to(torch.bfloat16), None, torch.bfloat16)
+    the same order, in-register (up to 2 or 4 rows) or not, on every output row (64 of a group, and the rest)."""
+    w = weights(n=200, k=192).to(torch.bfloat16)
+    layer = Linear(w, Context()) if setting == "bf16" else quant.QuantizedLinear(setting, w, None, torch.bfloat16)
     x = torch.randn(37, 192).to(torch.bfloat16)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
     for rows in (2, 3, 4, 5, 16, 37):
