@@ -83,8 +83,11 @@ class LLMConfig:
 
 def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
     """``weights`` bf16 or f32 name the dtype. Else ``auto``: bfloat16 on GPUs that support it (float16 on
-    older ones), and on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), which halves the bytes
-    every decode step reads; float32 elsewhere, where bfloat16 would be emulated and slower."""
+    older ones); on CPUs bfloat16 wherever our kernels run (``llm/kernels.py``: any x86-64 CPU with AVX2) or
+    the CPU computes it natively (AVX512-BF16 or AMX, for oneDNN), which halves the bytes every decode step
+    reads. The arithmetic there: bfloat16-rounded weights and activations, float32 products and sums, and
+    the output layer's greedy pick exactly float32's (``model.Head``). float32 elsewhere, where bfloat16
+    would be emulated and slower."""
     if weights in WEIGHT_DTYPES:
         return DTYPES[WEIGHT_DTYPES[weights]]
     if name != "auto":
@@ -92,7 +95,7 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native else torch.float32
+    return torch.bfloat16 if native or kernels.load() is None else torch.float32
 
 
 def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
@@ -162,8 +165,8 @@ class LLM:
         # What runs the linear layers and attention, for the load log (llm/kernels.py and gpu_attention.py say why).
         gpu = self.decoder.gpu_attention
         self.kernels = (f"torch, attention {'in place (llm/gpu_attention.py)' if gpu is None else f'gathered: {gpu}'}"
-                        if device.type != "cpu" else "our CPU kernels" if self.decoder.lm_head.fast else
-                        f"oneDNN ({kernels.load() or 'our kernels take bfloat16 only'})")
+                        if device.type != "cpu" else kernels.describe() if self.decoder.lm_head.fast else
+                        f"oneDNN and torch ({kernels.load() or 'our kernels take bfloat16 only'})")
         if self.weights in quant.QUANTIZED:
             self.kernels = (f"{self.weights} linear layers on {self.decoder.layers[0].down.kernel()}, "
                             f"the rest on {self.kernels}")

@@ -45,6 +45,17 @@ constexpr int64_t kGroup = 64;   // output rows a group packs
 constexpr int64_t kSlice = 128;  // column pairs per slice: 64 rows x 256 columns x 2 bytes = 32 KiB, L1's size
 constexpr int64_t kInt4Columns = 32;  // input columns per d and m: Q4_0 and Q4_1's block
 
+// Calls f(std::integral_constant<int, MR>) for the next MR = min(Max, left) rows of x (Max at most 4).
+template <int64_t Max, typename F>
+inline void rows(int64_t left, F f) {
+  switch (std::min(Max, left)) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 #if defined(__AVX512F__)
 // The sums of sixteen vectors' lanes, lane i holding v[i]'s: halves, quarters, pairs, then single lanes
 // added across vectors at each step (15 shuffles and adds against 16 separate horizontal sums).
@@ -102,17 +113,6 @@ void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const
       y[m * ldy + r] = Out(out[m * kGroup + r] * (scale ? scale[r] : 1.0f) + (bias ? bias[r] : 0.0f));
 }
 
-// Calls f(std::integral_constant<int, MR>) for the next MR = min(kRowsPerPass, left) rows of x (at most 4).
-template <typename F>
-inline void rows(int64_t left, F f) {
-  switch (std::min(kRowsPerPass, left)) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
 // y = x @ w.T (x scale) (+ bias) over weights W (bfloat16 or int8) packed by pack<W>. int8 slices are
 // widened to bfloat16 in registers as they are read for a few rows of x, and for more rows (a prompt
 // chunk) once into an L1 buffer that every row then reads.
@@ -162,7 +162,7 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
         for (int64_t m = 0; m < M; m += kRowsPerPass) {
           const uint32_t* xm = xp + m * pairs;
           float* om = out.data() + m * kGroup;
-          rows(M - m, [&](auto mr) {
+          rows<kRowsPerPass>(M - m, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
             if constexpr (int8) {
               if (!wb) return slice<MR>(xm, pairs, wp, p0, p1, om, p0 == 0);
@@ -264,13 +264,16 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(M * kGroup);
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t h = 0; h < 2; ++h)
+      for (int64_t h = 0; h < 2; ++h) {
+        const uint8_t* nh = nib + (g * 2 + h) * pairs * 32;
+        const c10::Half* sh = sc + (g * 2 + h) * columns * 64;
+        if (int4_many(M, xp, pairs, sp, columns, nh, sh, pairs, out.data() + 32 * h)) continue;
         for (int64_t m = 0; m < M; m += kRowsPerPass)
-          rows(M - m, [&](auto mr) {
-            int4_half<decltype(mr)::value>(xp + m * pairs, pairs, sp + m * columns, columns,
-                                           nib + (g * 2 + h) * pairs * 32, sc + (g * 2 + h) * columns * 64, pairs,
+          rows<kRowsPerPass>(M - m, [&](auto mr) {
+            int4_half<decltype(mr)::value>(xp + m * pairs, pairs, sp + m * columns, columns, nh, sh, pairs,
                                            out.data() + m * kGroup + 32 * h);
           });
+      }
       const int64_t n0 = g * kGroup;
       store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr,
             bp ? bp + n0 : nullptr);

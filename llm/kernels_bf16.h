@@ -46,6 +46,12 @@ inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
 }
 
+// Many rows of x take the same path as a few (int4_half, kRowsPerPass at a time).
+inline bool int4_many(int64_t, const uint32_t*, int64_t, const float*, int64_t, const uint8_t*, const c10::Half*, int64_t,
+                      float*) {
+  return false;
+}
+
 // One int4 pair's 32 bytes, widened to 16-bit lanes, hold in their low and high nibbles two vectors of 16
 // rows x a pair of columns; a 32-entry table (vpermw, which reads an index's low 5 bits) turns each into
 // bfloat16, exactly.

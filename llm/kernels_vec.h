@@ -18,8 +18,10 @@ constexpr int64_t kRowsPerPass = 4;  // rows of x a pass holds: 4 x 4 accumulato
 constexpr int kLanes = 8;
 constexpr int64_t kRowsPerPass = 2;  // 2 x 4 accumulators of 16 registers
 #endif
-constexpr int kTile = 4;                      // vectors of output rows a pass holds
-constexpr int64_t kTileRows = kTile * kLanes;  // a group's 64 rows in 1 (AVX-512) or 2 (AVX2) tiles
+// Vectors of output rows a pass holds for MR rows of x: a whole group for one row (independent sums enough to
+// hide the FMA's latency, and the group's bytes read in order), else 4 (AVX2: a group in 2 tiles).
+template <int MR>
+constexpr int kTile = MR == 1 ? kGroup / kLanes : 4;
 
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
@@ -38,6 +40,14 @@ inline V load(const void* p) {  // unaligned
 inline void put(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf splat(float f) { return vf{} + f; }
+
+inline vu widen_u16(const void* p) {  // kLanes 16-bit words zero-extended (vpmovzxwd from memory)
+#if defined(__AVX512F__)
+  return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
 
 inline float word_float(uint32_t bits) {
   float f;
@@ -62,21 +72,31 @@ inline void widen_pair(const int8_t* p, vf& first, vf& second) {
 // rows of a prompt chunk to read from L1: an integer's float32 has no bits in its low half, so its bfloat16
 // is the high half, exactly.
 inline void widen_int8(const int8_t* src, c10::BFloat16* dst, int64_t count) {
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const vu bits = (vu)__builtin_convertvector(__builtin_convertvector(load<vi8>(src + i), vi), vf) >> 16;
-    const vu16 half = __builtin_convertvector(bits, vu16);
-    std::memcpy(dst + i, &half, sizeof half);
+  for (int64_t i = 0; i < count; i += 16) {
+#if defined(__AVX512F__)
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(bits));
+#else
+    const auto high = [&](int64_t at) {
+      return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + at))))), 16);
+    };  // packus interleaves the 128-bit halves; the permute puts them back in order
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high(i), high(i + 8)), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), words);
+#endif
   }
 }
 
 // out[m][64 rows] (+)= x[m, 2 p0 : 2 p1] . a group's slice of packed weights (``wp``: its pair p0), for MR rows
-// of x, a tile of kTileRows output rows at a time.
+// of x, a tile of kTile<MR> vectors of output rows at a time.
 template <int MR, typename W>
 inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64_t p1, float* out, bool first) {
-  for (int64_t tile = 0; tile < kGroup; tile += kTileRows) {
-    vf acc[MR][kTile];
+  constexpr int T = kTile<MR>;
+  for (int64_t tile = 0; tile < kGroup; tile += T * kLanes) {
+    vf acc[MR][T];
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < kTile; ++j) acc[m][j] = first ? vf{} : load<vf>(out + m * kGroup + tile + kLanes * j);
+      for (int j = 0; j < T; ++j) acc[m][j] = first ? vf{} : load<vf>(out + m * kGroup + tile + kLanes * j);
     const W* w = wp + tile * 2;
     for (int64_t p = p0; p < p1; ++p, w += kGroup * 2) {
       float x0[MR], x1[MR];
@@ -85,7 +105,7 @@ inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64
         x0[m] = word_float(pair << 16);
         x1[m] = word_float(pair & 0xFFFF0000u);
       }
-      for (int j = 0; j < kTile; ++j) {
+      for (int j = 0; j < T; ++j) {
         vf w0, w1;
         widen_pair(w + 2 * kLanes * j, w0, w1);
         for (int m = 0; m < MR; ++m) {
@@ -95,7 +115,7 @@ inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64
       }
     }
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < kTile; ++j) put(out + m * kGroup + tile + kLanes * j, acc[m][j]);
+      for (int j = 0; j < T; ++j) put(out + m * kGroup + tile + kLanes * j, acc[m][j]);
   }
 }
 
@@ -109,13 +129,38 @@ inline vf half_floats(const c10::Half* p) {  // kLanes float16 as float32 (F16C)
 
 // One int4 pair's 32 bytes, read as kLanes 16-bit words (a row's two columns each), hold rows 0-15 of the
 // half in their low nibbles and rows 16-31 in their high ones: four masks and shifts give four vectors.
+// (q0, q1: the first column's, q2, q3: the second's.)
+inline void int4_widen(const uint8_t* p, vf& q0, vf& q1, vf& q2, vf& q3) {
+  const vi v = (vi)widen_u16(p);
+  q0 = __builtin_convertvector(v & 15, vf);          // rows 0-15, first column
+  q1 = __builtin_convertvector((v >> 4) & 15, vf);   // rows 16-31, first column
+  q2 = __builtin_convertvector((v >> 8) & 15, vf);   // rows 0-15, second column
+  q3 = __builtin_convertvector(v >> 12, vf);         // rows 16-31, second column
+}
+
+// acc[m][32 rows] += d (x . q) + m (sum of x) over one column block, the block's sums ``t`` (first
+// column's and second's apart where ``C`` is 2) taken by its d and m.
+template <int MR, int V, int C>
+inline void int4_fold(vf (&acc)[MR][V], vf (&t)[C][MR][V], const c10::Half* scales, const float* xsum, int64_t ldsum) {
+  for (int j = 0; j < V; ++j) {
+    const vf d = half_floats(scales + kLanes * j), offset = half_floats(scales + 32 + kLanes * j);
+    for (int m = 0; m < MR; ++m) {
+      const vf sum = C == 2 ? t[0][m][j] + t[C - 1][m][j] : t[0][m][j];
+      acc[m][j] = acc[m][j] + sum * d;
+      acc[m][j] = acc[m][j] + offset * xsum[m * ldsum];
+    }
+  }
+}
+
+// For one row of x the first and second columns' products go to separate sums (8 independent chains on
+// AVX2, enough to hide the FMA's latency); for more, to the same.
 template <int MR>
 inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
                       const c10::Half* scales, int64_t pairs, float* out) {
-  constexpr int V = 32 / kLanes, low = 16 / kLanes;  // vectors of the half's rows; those of rows 0-15
+  constexpr int V = 32 / kLanes, low = 16 / kLanes, C = MR == 1 ? 2 : 1;  // vectors of the half; of rows 0-15
   vf acc[MR][V] = {};
   for (int64_t c = 0, p = 0; p < pairs; ++c, scales += 64) {
-    vf t[MR][V] = {};
+    vf t[C][MR][V] = {};
     for (const int64_t end = p + kInt4Columns / 2; p < end; ++p, nibbles += 32) {
       float x0[MR], x1[MR];
       for (int m = 0; m < MR; ++m) {
@@ -124,27 +169,65 @@ inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t
         x1[m] = word_float(pair & 0xFFFF0000u);
       }
       for (int h = 0; h < low; ++h) {
-        const vi v = (vi)__builtin_convertvector(load<vu16>(nibbles + 2 * kLanes * h), vu);
-        const vf w0 = __builtin_convertvector(v & 15, vf), w1 = __builtin_convertvector((v >> 8) & 15, vf);
-        const vf w2 = __builtin_convertvector((v >> 4) & 15, vf), w3 = __builtin_convertvector((v >> 12) & 15, vf);
+        vf q0, q1, q2, q3;
+        int4_widen(nibbles + 2 * kLanes * h, q0, q1, q2, q3);
         for (int m = 0; m < MR; ++m) {
-          t[m][h] = t[m][h] + w0 * x0[m];
-          t[m][h] = t[m][h] + w1 * x1[m];
-          t[m][low + h] = t[m][low + h] + w2 * x0[m];
-          t[m][low + h] = t[m][low + h] + w3 * x1[m];
+          t[0][m][h] = t[0][m][h] + q0 * x0[m];
+          t[0][m][low + h] = t[0][m][low + h] + q1 * x0[m];
+          t[C - 1][m][h] = t[C - 1][m][h] + q2 * x1[m];
+          t[C - 1][m][low + h] = t[C - 1][m][low + h] + q3 * x1[m];
         }
       }
     }
-    for (int j = 0; j < V; ++j) {
-      const vf d = half_floats(scales + kLanes * j), offset = half_floats(scales + 32 + kLanes * j);
-      for (int m = 0; m < MR; ++m) {
-        acc[m][j] = acc[m][j] + t[m][j] * d;
-        acc[m][j] = acc[m][j] + offset * xsum[m * ldsum + c];
-      }
-    }
+    int4_fold(acc, t, scales, xsum + c, ldsum);
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < V; ++j) put(out + m * kGroup + kLanes * j, acc[m][j]);
+}
+
+// A prompt chunk's many rows: each column block of the half is widened once into float32 in L1 (32 rows x 32
+// columns, 4 KiB), and every row's sums then read it there, kRowsPerPass rows at a time.
+template <int MR>
+inline void int4_block(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const float* block,
+                       const c10::Half* scales, int64_t p0, float* out, bool first) {
+  constexpr int V = 32 / kLanes;
+  vf acc[MR][V], t[1][MR][V] = {};
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < V; ++j) acc[m][j] = first ? vf{} : load<vf>(out + m * kGroup + kLanes * j);
+  for (int64_t p = 0; p < kInt4Columns / 2; ++p, block += 64) {
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t pair = x[m * ldx + p0 + p];
+      const float x0 = word_float(pair << 16), x1 = word_float(pair & 0xFFFF0000u);
+      for (int j = 0; j < V; ++j) {
+        t[0][m][j] = t[0][m][j] + load<vf>(block + kLanes * j) * x0;
+        t[0][m][j] = t[0][m][j] + load<vf>(block + 32 + kLanes * j) * x1;
+      }
+    }
+  }
+  int4_fold(acc, t, scales, xsum, ldsum);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < V; ++j) put(out + m * kGroup + kLanes * j, acc[m][j]);
+}
+
+inline bool int4_many(int64_t M, const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
+                      const c10::Half* scales, int64_t pairs, float* out) {
+  if (M <= kRowsPerPass) return false;
+  alignas(64) float block[kInt4Columns / 2 * 64];  // [pair][column][32 rows]
+  for (int64_t c = 0, p0 = 0; p0 < pairs; ++c, p0 += kInt4Columns / 2, scales += 64) {
+    for (int64_t p = 0; p < kInt4Columns / 2; ++p)
+      for (int h = 0; h < 16 / kLanes; ++h) {
+        vf q0, q1, q2, q3;
+        int4_widen(nibbles + (p0 + p) * 32 + 2 * kLanes * h, q0, q1, q2, q3);
+        float* at = block + p * 64 + kLanes * h;
+        put(at, q0), put(at + 16, q1), put(at + 32, q2), put(at + 48, q3);
+      }
+    for (int64_t m = 0; m < M; m += kRowsPerPass)
+      rows<kRowsPerPass>(M - m, [&](auto mr) {
+        int4_block<decltype(mr)::value>(x + m * ldx, ldx, xsum + m * ldsum + c, ldsum, block, scales, p0,
+                                        out + m * kGroup, c == 0);
+      });
+  }
+  return true;
 }
 
 inline vf widen(const c10::BFloat16* p) {  // kLanes bfloat16 as float32

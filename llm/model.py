@@ -156,11 +156,22 @@ def _ours(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and kernels.load() is None
 
 
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN packs ``weight`` on this CPU: float32 always, bfloat16 and float16 only where it computes
+    them (AVX-512 BW/DQ/VL, AVX512-FP16 or AVX-NE-CONVERT; elsewhere its reorder fails with a raw error)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if weight.dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
+
+
 class Linear(torch.nn.Module):
     """A weight used as ``F.linear``. On CPUs, bfloat16 weights go to our kernel (``llm/kernels.py``: it
     reads them at the machine's speed), packed in its order; other weights, or without the kernel, are
-    packed by oneDNN where it takes their dtype (bfloat16 only on CPUs with AVX-512 BW, DQ and VL or
-    AVX-NE-CONVERT; elsewhere its reorder fails), else used as they are. Plain on GPUs."""
+    packed by oneDNN where it takes their dtype (``_onednn_packs``), else used as they are. Plain on GPUs."""
 
     def __init__(self, weight: torch.Tensor, context: Context, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -173,8 +184,7 @@ class Linear(torch.nn.Module):
             self.op = kernels.ops.bf16_linear
             if bias is not None:
                 self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
-        elif weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
-                weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        elif _onednn_packs(weight):
             self.index = context.pack(weight)
         else:
             self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)

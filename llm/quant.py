@@ -167,7 +167,7 @@ class QuantizedLinear(torch.nn.Module):
     def kernel(self) -> str:
         """What multiplies, for the load log."""
         if self.ours:
-            return "our CPU kernel"
+            return kernels.describe()
         if self.setting == "fp8":
             return "torch._scaled_mm (fp8 activations too)" if self.scaled else "fp8 weights widened in the step"
         return "torch weight-only kernels"

@@ -39,8 +39,8 @@ def test_the_load_names_the_setting_and_the_bytes_a_step_reads(quantized, server
     setting, triton = quantized
     log = triton.log_path.read_text()
     mib = metric_value(triton, 'llm_weight_bytes') / 2**20
-    ours = kernels.load() is None  # int8 and int4 in bfloat16 on a CPU with AVX512-BF16
-    assert f"{setting} linear layers on {'our CPU kernel' if ours else 'torch weight-only kernels'}" in log
+    ours = kernels.load() is None  # int8 and int4 in bfloat16 on a CPU with AVX2 or better: "our AVX2 kernels"
+    assert f"{setting} linear layers on {kernels.describe() if ours else 'torch weight-only kernels'}" in log
     # int4 reads the shipped Q4_1 blocks as they are, from the default folder's linked GGUF or the file's own
     source = "model.gguf (Q4_1 x 210)" if setting == "int4" else "Hugging Face weights"
     assert f"weights {setting} from {source}: {mib:.0f} MiB read a step" in log

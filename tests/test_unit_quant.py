@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm.reference import StaticGenerator
 from conftest import Letters
-from llm import LLM, LLMConfig, kernels, quant
+from llm import LLM, LLMConfig, kernels, quant, resolve_dtype
 from llm.model import Context, Linear
 from llm.sequence import Sequence
 from test_unit_engine import run
@@ -168,3 +168,38 @@ def test_weights_settings_that_cannot_run_name_the_setting_and_what_would():
     with pytest.raises(ValueError, match=r"int4 takes groups of 32 input columns, and layers\.0\.self_attn\.qkv_proj has 48; "
                                          r"use int8, bf16 or auto for this model"):
         LLM(LLMConfig("unused", weights="int4", compile=False, kv_cache_tokens=64), torch.device("cpu"), model, Letters())
+
+
+def head_dim_64_model() -> LlamaForCausalLM:
+    """A tiny model whose heads our attention kernel takes (head_dim 64) and whose widths int4 groups."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=64, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+DTYPES_FOR = {"auto": ("auto", "float32", "float16", "bfloat16"), "bf16": ("auto", "bfloat16"), "f32": ("auto", "float32"),
+              "int8": ("auto", "float32", "float16", "bfloat16"), "int4": ("auto", "float32", "float16", "bfloat16")}
+
+
+@pytest.mark.parametrize("weights, dtype", [(w, d) for w, dtypes in DTYPES_FOR.items() for d in dtypes])
+def test_every_cpu_setting_loads_and_decodes_at_every_kernel_level(cpu_kernels, weights, dtype):
+    """Every ``weights`` and ``dtype`` a CPU takes, on each kernel level this CPU runs and with none (oneDNN
+    where it takes the dtype, torch elsewhere: on a CPU without AVX-512 BW/DQ/VL oneDNN refuses bfloat16 and
+    float16 weights with a raw error, which the load must never reach): the model loads, the load log names
+    what runs it, and a batch decodes whole. ``auto`` is bfloat16 wherever our kernels run."""
+    hf = head_dim_64_model().to(torch.bfloat16 if weights == "bf16" else torch.float32)
+    config = LLMConfig("unused", weights=weights, dtype=dtype, compile=False, kv_cache_tokens=208, default_max_tokens=4,
+                       max_tokens_limit=16)
+    llm = LLM(config, torch.device("cpu"), hf.to(resolve_dtype(dtype, torch.device("cpu"), weights)), Letters())
+    if dtype == "auto" and weights in ("auto", "int8", "int4"):
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        assert (llm.dtype == torch.bfloat16) == (cpu_kernels != "none" or native)
+    ours = llm.dtype == torch.bfloat16 and cpu_kernels != "none"
+    assert (kernels.describe() in llm.kernels) == ours, llm.kernels
+    if weights in ("int8", "int4"):
+        assert (llm.decoder.layers[0].down.kernel() == kernels.describe()) == ours
+    seqs = run(llm.engine(), [Sequence(llm.validate(ids, 6, ignore_eos=True)) for ids in PROMPTS])
+    assert all(len(s.output_ids) == 6 and all(0 <= t < 256 for t in s.output_ids) for s in seqs)
