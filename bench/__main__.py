@@ -45,7 +45,7 @@ from launcher.paths import CACHE_DIR, COMPILE_CACHE, MODEL_REPOSITORY
 from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
 from launcher.tritonserver import TritonServer
-from llm import LLM, LLMConfig, load_model
+from llm import LLM, LLMConfig, kernels, load_model
 from llm.reference import StaticGenerator
 from contract.grammar import llguidance_grammar
 from preprocess import PreprocessConfig, Preprocessor, PromptRequest
@@ -89,7 +89,8 @@ def machine() -> dict:
     flags = set((re.search(r"flags\s*:\s*(.+)", cpuinfo) or re.search("()", "")).group(1).split())
     return {
         "cpu": model.group(1) if model else platform.processor(),
-        "cpu_features": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
+        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "kernels": kernels.describe() if kernels.load() is None else f"oneDNN and torch ({kernels.load()})",
         "cores": len(os.sched_getaffinity(0)),
         "gpu": has_gpu(),
         "torch": torch.__version__,

@@ -8,7 +8,12 @@ row. Each system has its own roofline for the bytes it reads a decode step (ours
 llama.cpp's from the file: every tensor but the embeddings, plus the output matrix, which a tied model
 reads from the embeddings), at the bandwidth and bfloat16 GEMM peak this machine measures now.
 
-``make bench`` runs this as a part of its full mode; alone it takes about 10 minutes on 2 cores.
+``--weights bf16`` adds our bfloat16 weights against llama-server on ``BF16`` (made by ``llama-quantize``
+from the shipped file): with ``--weights bf16 int4``, the table by CPU kind of docs/benchmark.md (the file
+as it ships, and bfloat16, each against llama.cpp on the same bits).
+
+``make bench`` runs this (int8 and int4) as a part of its full mode, whose main sweep holds our automatic
+dtype against llama-server BF16; alone it takes about 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ def llama_file(bin_dir: Path, kind: str, out: Path) -> Path:
 
 
 def run(sets: dict, ids: dict, model_dir: Path, concurrency: tuple[int, ...], bf16: Roofline, out: Path,
-        config_name: str) -> tuple[list[dict], dict[str, Roofline], list[dict]]:
-    """Points, rooflines (by the points' ``dtype``: the setting or llama.cpp's type) and notes."""
+        config_name: str, settings: tuple[str, ...] = ("int8", "int4")) -> tuple[list[dict], dict[str, Roofline], list[dict]]:
+    """Points, rooflines (by the points' ``dtype``: the setting or llama.cpp's type) and notes, for our
+    ``settings`` and their pairs (``report.QUANTIZED_PAIRS``)."""
+    pairs = [(setting, kind) for setting, kind in report.QUANTIZED_PAIRS if setting in settings]
     fixed = {"fixed": sets["fixed"]}
     context = max(len(ids[i.text_input]) + i.max_tokens for i in sets["fixed"]) + 16
     points, limits, notes = [], {}, []
@@ -71,7 +78,7 @@ def run(sets: dict, ids: dict, model_dir: Path, concurrency: tuple[int, ...], bf
     def limit(name: str, weight_bytes: int) -> Roofline:
         return Roofline(name, bf16.peak_flops, bf16.bandwidth, bf16.params, weight_bytes, bf16.kv_bytes_per_token)
 
-    for setting, _ in report.QUANTIZED_PAIRS:
+    for setting, _ in pairs:
         server, _ = start(MODEL_REPOSITORY, model_dir, out, f"ensemble-{setting}", config_name, WEIGHTS=setting)
         try:
             limits[setting] = limit(setting, weight_bytes(server.ports.metrics))
@@ -79,7 +86,7 @@ def run(sets: dict, ids: dict, model_dir: Path, concurrency: tuple[int, ...], bf
         finally:
             server.stop()
     bin_dir = peers.build_llama_cpp(out)
-    for _, kind in report.QUANTIZED_PAIRS:
+    for _, kind in pairs:
         file = llama_file(bin_dir, kind, out)
         limits[kind] = limit(kind, gguf_weight_bytes(file))
         for slots in concurrency:  # one server per concurrency, a slot per client (as make bench runs it)
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quantized", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--weights", nargs="+", default=["int8", "int4"], choices=[s for s, _ in report.QUANTIZED_PAIRS],
+                        help="our settings, each against llama-server on the same bits (bf16: against BF16)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/quantized"))
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -114,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in load_model(LLMConfig(str(model_dir), compile=False), torch.device("cpu")).parameters())
     kv_values = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"]
     bf16 = roofline.measure(params, kv_values, [torch.bfloat16], torch.device("cpu"), quick=False)["bfloat16"]
-    points, limits, notes = run(sets, ids, model_dir, tuple(args.concurrency), bf16, out, "" if has_gpu() else "cpu")
+    points, limits, notes = run(sets, ids, model_dir, tuple(args.concurrency), bf16, out, "" if has_gpu() else "cpu",
+                                tuple(args.weights))
     table = report.quantized_rows(points, limits, contexts)
     results = {"machine": machine(), "contexts": contexts, "roofline_bfloat16": bf16.as_dict(),
                "rooflines": {k: v.as_dict() for k, v in limits.items()}, "points": points, "quantized": table,
@@ -123,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report.quantized_markdown(table))
     (out / "results.md").write_text(text)
     m = results["machine"]
-    print(f"{m['cpu']} ({', '.join(m['cpu_features'])}), {m['cores']} cores, {bf16.bandwidth / 1e9:.1f} GB/s read\n{text}")
+    print(f"{m['cpu']} ({', '.join(m['cpu_features'])}; {m['kernels']}), {m['cores']} cores, {bf16.bandwidth / 1e9:.1f} GB/s read\n{text}")
     return 0
 
 

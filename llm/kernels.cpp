@@ -45,6 +45,18 @@ constexpr int64_t kGroup = 64;   // output rows a group packs
 constexpr int64_t kSlice = 128;  // column pairs per slice: 64 rows x 256 columns x 2 bytes = 32 KiB, L1's size
 constexpr int64_t kInt4Columns = 32;  // input columns per d and m: Q4_0 and Q4_1's block
 
+// The rows of x as int4_linear hands them to a level's inner loops (int4_rows): bfloat16 pairs of columns,
+// each 32-column block's sum (for the m term), and where the level multiplies in integers (kInt4Integer),
+// the rows quantized per block to int8 (q = round(x / scale), scale = the block's largest magnitude / 127)
+// with those scales, as llama.cpp's Q8_1 activations.
+struct Int4Rows {
+  const uint32_t* x;
+  const float* xsum;
+  const int8_t* xq;
+  const float* xscale;
+  int64_t pairs, columns;
+};
+
 // Calls f(std::integral_constant<int, MR>) for the next MR = min(Max, left) rows of x (Max at most 4).
 template <int64_t Max, typename F>
 inline void rows(int64_t left, F f) {
@@ -248,32 +260,38 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
               "int4_linear: a float32 bias of N");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  // Each row of x's sum over each column group, for the m term.
+  // Each row of x's sum over each column block, for the m term; its int8 quantization where the level takes it.
   at::Tensor xsum = at::empty({M, columns}, x.options().dtype(at::kFloat));
+  at::Tensor xscale = at::empty({kInt4Integer ? M : 0, columns}, x.options().dtype(at::kFloat));
+  at::Tensor xq = at::empty({kInt4Integer ? M : 0, K}, x.options().dtype(at::kChar));
   const auto* xv = x.const_data_ptr<c10::BFloat16>();
-  float* sp = xsum.mutable_data_ptr<float>();
+  float *sp = xsum.mutable_data_ptr<float>(), *scales_of_x = xscale.mutable_data_ptr<float>();
+  int8_t* quantized = xq.mutable_data_ptr<int8_t>();
   for (int64_t i = 0; i < M * columns; ++i) {
-    float s = 0;
-    for (int64_t k = 0; k < kInt4Columns; ++k) s += static_cast<float>(xv[i * kInt4Columns + k]);
+    float s = 0, top = 0;
+    for (int64_t k = 0; k < kInt4Columns; ++k) {
+      const float v = static_cast<float>(xv[i * kInt4Columns + k]);
+      s += v;
+      top = std::max(top, std::abs(v));
+    }
     sp[i] = s;
+    if constexpr (kInt4Integer) {
+      const float scale = top / 127, inverse = top > 0 ? 127 / top : 0;
+      scales_of_x[i] = scale;
+      for (int64_t k = 0; k < kInt4Columns; ++k)
+        quantized[i * kInt4Columns + k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xv[i * kInt4Columns + k]) * inverse));
+    }
   }
-  const auto* xp = reinterpret_cast<const uint32_t*>(xv);
+  const Int4Rows rows_of_x{reinterpret_cast<const uint32_t*>(xv), sp, xq.const_data_ptr<int8_t>(),
+                           xscale.const_data_ptr<float>(), pairs, columns};
   const uint8_t* nib = nibbles.const_data_ptr<uint8_t>();
   const c10::Half* sc = scales.const_data_ptr<c10::Half>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(M * kGroup);
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t h = 0; h < 2; ++h) {
-        const uint8_t* nh = nib + (g * 2 + h) * pairs * 32;
-        const c10::Half* sh = sc + (g * 2 + h) * columns * 64;
-        if (int4_many(M, xp, pairs, sp, columns, nh, sh, pairs, out.data() + 32 * h)) continue;
-        for (int64_t m = 0; m < M; m += kRowsPerPass)
-          rows<kRowsPerPass>(M - m, [&](auto mr) {
-            int4_half<decltype(mr)::value>(xp + m * pairs, pairs, sp + m * columns, columns, nh, sh, pairs,
-                                           out.data() + m * kGroup + 32 * h);
-          });
-      }
+      for (int64_t h = 0; h < 2; ++h)
+        int4_rows(M, rows_of_x, nib + (g * 2 + h) * pairs * 32, sc + (g * 2 + h) * columns * 64, out.data() + 32 * h);
       const int64_t n0 = g * kGroup;
       store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr,
             bp ? bp + n0 : nullptr);

@@ -139,19 +139,19 @@ def build(name: str) -> str | None:
 
 def load() -> str | None:
     """Choose the level (``CPU_KERNELS``, else the best this CPU runs) and build it: None when ``ops`` is
-    ready, else why not (the model then runs on oneDNN). A level forced past what the CPU runs is refused
-    with the missing flags, never executed."""
+    ready, else why not (the model then runs on oneDNN and torch). A level forced past what the CPU runs is
+    a ValueError naming the setting, the missing flags and what would work: never executed."""
     global ops, level
+    wanted, found = setting(), runnable()
+    if wanted not in ("auto", "none", *found):
+        raise ValueError(f"{SETTING}={wanted}: this CPU lacks {', '.join(sorted(set(LEVELS[wanted][0]) - cpu_flags()))}, "
+                         f"which {LEVELS[wanted][2]} needs; set {SETTING} to auto, {' or '.join([*found, 'none'])}")
     ops, level = None, None
-    wanted = setting()
     if wanted == "none":
         return f"{SETTING}=none"
-    if wanted != "auto":
-        chosen = wanted
-    elif not (found := runnable()):
+    if not found:
         return "this CPU has no AVX2 with FMA and F16C (our kernels' lowest level)"
-    else:
-        chosen = found[0]
+    chosen = found[0] if wanted == "auto" else wanted
     why = build(chosen)
     if why is None:
         ops, level = getattr(torch.ops, f"triton_chat_{chosen}"), chosen

@@ -7,6 +7,7 @@
 namespace {
 
 constexpr int64_t kRowsPerPass = 4;
+constexpr bool kInt4Integer = false;  // int4 multiplies bfloat16 x by its widened weights
 
 // 32 int8 weights (16 rows x a pair of columns, packed order) as bfloat16, exactly: |q| <= 127 fits its 8 bits.
 inline __m512bh widen_int8(const int8_t* p) {
@@ -46,12 +47,6 @@ inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + m * kGroup + 16 * j, acc[m][j]);
 }
 
-// Many rows of x take the same path as a few (int4_half, kRowsPerPass at a time).
-inline bool int4_many(int64_t, const uint32_t*, int64_t, const float*, int64_t, const uint8_t*, const c10::Half*, int64_t,
-                      float*) {
-  return false;
-}
-
 // One int4 pair's 32 bytes, widened to 16-bit lanes, hold in their low and high nibbles two vectors of 16
 // rows x a pair of columns; a 32-entry table (vpermw, which reads an index's low 5 bits) turns each into
 // bfloat16, exactly.
@@ -89,6 +84,15 @@ inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t
     _mm512_storeu_ps(out + m * kGroup, acc[m][0]);
     _mm512_storeu_ps(out + m * kGroup + 16, acc[m][1]);
   }
+}
+
+// out[m][the half's 32 rows] for every row of x, kRowsPerPass at a time.
+inline void int4_rows(int64_t M, const Int4Rows& x, const uint8_t* nibbles, const c10::Half* scales, float* out) {
+  for (int64_t m = 0; m < M; m += kRowsPerPass)
+    rows<kRowsPerPass>(M - m, [&](auto mr) {
+      int4_half<decltype(mr)::value>(x.x + m * x.pairs, x.pairs, x.xsum + m * x.columns, x.columns, nibbles, scales,
+                                     x.pairs, out + m * kGroup);
+    });
 }
 
 inline __m512 widen(const c10::BFloat16* p) {  // 16 bfloat16 as float32

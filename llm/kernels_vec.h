@@ -127,107 +127,83 @@ inline vf half_floats(const c10::Half* p) {  // kLanes float16 as float32 (F16C)
 #endif
 }
 
-// One int4 pair's 32 bytes, read as kLanes 16-bit words (a row's two columns each), hold rows 0-15 of the
-// half in their low nibbles and rows 16-31 in their high ones: four masks and shifts give four vectors.
-// (q0, q1: the first column's, q2, q3: the second's.)
-inline void int4_widen(const uint8_t* p, vf& q0, vf& q1, vf& q2, vf& q3) {
-  const vi v = (vi)widen_u16(p);
-  q0 = __builtin_convertvector(v & 15, vf);          // rows 0-15, first column
-  q1 = __builtin_convertvector((v >> 4) & 15, vf);   // rows 16-31, first column
-  q2 = __builtin_convertvector((v >> 8) & 15, vf);   // rows 0-15, second column
-  q3 = __builtin_convertvector(v >> 12, vf);         // rows 16-31, second column
+// int4 in integers, as llama.cpp's Q4_1 x Q8_1 dot product: each row of x quantized per 32-column block to
+// int8 (Int4Rows), vpmaddubsw multiplies a pair's nibbles (unsigned bytes, one row's two columns side by side)
+// by the pair of x's int8 (the same two bytes in every 16-bit lane) and adds the two products: one 16-bit
+// lane per output row. Eight pairs' sums fit 16 bits (8 x 2 x 15 x 127 = 30480), so a block of sixteen is
+// summed in two halves widened to 32 bits; the block's sum then takes d x x's scale, and m takes the block's
+// sum of x (exact, from bfloat16). The weights' bytes are read once for kInt4Rows rows of x.
+#if defined(__AVX512F__)
+typedef __m512i vbytes;  // one pair of the half's 32 rows: rows 0-15 in the low 32 bytes, 16-31 in the high
+constexpr int kByteVectors = 1;
+inline void int4_bytes(const uint8_t* p, vbytes (&q)[kByteVectors]) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), low = _mm256_set1_epi8(15);
+  q[0] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)),
+                            _mm256_and_si256(_mm256_srli_epi16(b, 4), low), 1);
 }
-
-// acc[m][32 rows] += d (x . q) + m (sum of x) over one column block, the block's sums ``t`` (first
-// column's and second's apart where ``C`` is 2) taken by its d and m.
-template <int MR, int V, int C>
-inline void int4_fold(vf (&acc)[MR][V], vf (&t)[C][MR][V], const c10::Half* scales, const float* xsum, int64_t ldsum) {
-  for (int j = 0; j < V; ++j) {
-    const vf d = half_floats(scales + kLanes * j), offset = half_floats(scales + 32 + kLanes * j);
-    for (int m = 0; m < MR; ++m) {
-      const vf sum = C == 2 ? t[0][m][j] + t[C - 1][m][j] : t[0][m][j];
-      acc[m][j] = acc[m][j] + sum * d;
-      acc[m][j] = acc[m][j] + offset * xsum[m * ldsum];
-    }
-  }
+inline vbytes pair_words(int16_t pair) { return _mm512_set1_epi16(pair); }
+inline vbytes pair_sums(vbytes sums, vbytes q, vbytes x) { return _mm512_add_epi16(sums, _mm512_maddubs_epi16(q, x)); }
+inline vi words_low(vbytes s) { return (vi)_mm512_cvtepi16_epi32(_mm512_castsi512_si256(s)); }
+inline vi words_high(vbytes s) { return (vi)_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(s, 1)); }
+constexpr int kInt4Rows = 4;
+#else
+typedef __m256i vbytes;  // one pair of 16 rows: rows 0-15 (q[0]) or 16-31 (q[1])
+constexpr int kByteVectors = 2;
+inline void int4_bytes(const uint8_t* p, vbytes (&q)[kByteVectors]) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), low = _mm256_set1_epi8(15);
+  q[0] = _mm256_and_si256(b, low);
+  q[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
 }
+inline vbytes pair_words(int16_t pair) { return _mm256_set1_epi16(pair); }
+inline vbytes pair_sums(vbytes sums, vbytes q, vbytes x) { return _mm256_add_epi16(sums, _mm256_maddubs_epi16(q, x)); }
+inline vi words_low(vbytes s) { return (vi)_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)); }
+inline vi words_high(vbytes s) { return (vi)_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)); }
+constexpr int kInt4Rows = 4;  // 4 x 2 sums of 16 bits and 4 pairs of x of 16 registers
+#endif
+constexpr bool kInt4Integer = true;
 
-// For one row of x the first and second columns' products go to separate sums (8 independent chains on
-// AVX2, enough to hide the FMA's latency); for more, to the same.
+// out[m][the half's 32 rows] (+)= block c's d (q . xq) x's scale + m (sum of x), for MR rows of x.
 template <int MR>
-inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
-                      const c10::Half* scales, int64_t pairs, float* out) {
-  constexpr int V = 32 / kLanes, low = 16 / kLanes, C = MR == 1 ? 2 : 1;  // vectors of the half; of rows 0-15
-  vf acc[MR][V] = {};
-  for (int64_t c = 0, p = 0; p < pairs; ++c, scales += 64) {
-    vf t[C][MR][V] = {};
-    for (const int64_t end = p + kInt4Columns / 2; p < end; ++p, nibbles += 32) {
-      float x0[MR], x1[MR];
-      for (int m = 0; m < MR; ++m) {
-        const uint32_t pair = x[m * ldx + p];
-        x0[m] = word_float(pair << 16);
-        x1[m] = word_float(pair & 0xFFFF0000u);
-      }
-      for (int h = 0; h < low; ++h) {
-        vf q0, q1, q2, q3;
-        int4_widen(nibbles + 2 * kLanes * h, q0, q1, q2, q3);
-        for (int m = 0; m < MR; ++m) {
-          t[0][m][h] = t[0][m][h] + q0 * x0[m];
-          t[0][m][low + h] = t[0][m][low + h] + q1 * x0[m];
-          t[C - 1][m][h] = t[C - 1][m][h] + q2 * x1[m];
-          t[C - 1][m][low + h] = t[C - 1][m][low + h] + q3 * x1[m];
-        }
-      }
-    }
-    int4_fold(acc, t, scales, xsum + c, ldsum);
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < V; ++j) put(out + m * kGroup + kLanes * j, acc[m][j]);
-}
-
-// A prompt chunk's many rows: each column block of the half is widened once into float32 in L1 (32 rows x 32
-// columns, 4 KiB), and every row's sums then read it there, kRowsPerPass rows at a time.
-template <int MR>
-inline void int4_block(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const float* block,
-                       const c10::Half* scales, int64_t p0, float* out, bool first) {
+inline void int4_block(const Int4Rows& x, int64_t c, const uint8_t* nibbles, const c10::Half* scales, float* out) {
   constexpr int V = 32 / kLanes;
-  vf acc[MR][V], t[1][MR][V] = {};
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < V; ++j) acc[m][j] = first ? vf{} : load<vf>(out + m * kGroup + kLanes * j);
-  for (int64_t p = 0; p < kInt4Columns / 2; ++p, block += 64) {
-    for (int m = 0; m < MR; ++m) {
-      const uint32_t pair = x[m * ldx + p0 + p];
-      const float x0 = word_float(pair << 16), x1 = word_float(pair & 0xFFFF0000u);
-      for (int j = 0; j < V; ++j) {
-        t[0][m][j] = t[0][m][j] + load<vf>(block + kLanes * j) * x0;
-        t[0][m][j] = t[0][m][j] + load<vf>(block + 32 + kLanes * j) * x1;
+  const int16_t* xq = reinterpret_cast<const int16_t*>(x.xq);  // a pair of int8 columns as one 16-bit word
+  vi block[MR][V] = {};
+  for (int64_t half = 0; half < 2; ++half) {
+    vbytes sums[MR][kByteVectors];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < kByteVectors; ++b) sums[m][b] = vbytes{};
+    for (int64_t p = c * 16 + half * 8, end = p + 8; p < end; ++p) {
+      vbytes q[kByteVectors];
+      int4_bytes(nibbles + p * 32, q);
+      for (int m = 0; m < MR; ++m) {
+        const vbytes pair = pair_words(xq[m * x.pairs + p]);
+        for (int b = 0; b < kByteVectors; ++b) sums[m][b] = pair_sums(sums[m][b], q[b], pair);
       }
     }
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < kByteVectors; ++b) {
+        block[m][2 * b] += words_low(sums[m][b]);
+        block[m][2 * b + 1] += words_high(sums[m][b]);
+      }
   }
-  int4_fold(acc, t, scales, xsum, ldsum);
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < V; ++j) put(out + m * kGroup + kLanes * j, acc[m][j]);
+  for (int j = 0; j < V; ++j) {
+    const vf d = half_floats(scales + c * 64 + kLanes * j), offset = half_floats(scales + c * 64 + 32 + kLanes * j);
+    for (int m = 0; m < MR; ++m) {
+      vf acc = c == 0 ? vf{} : load<vf>(out + m * kGroup + kLanes * j);
+      acc = acc + __builtin_convertvector(block[m][j], vf) * (d * x.xscale[m * x.columns + c]);
+      acc = acc + offset * x.xsum[m * x.columns + c];
+      put(out + m * kGroup + kLanes * j, acc);
+    }
+  }
 }
 
-inline bool int4_many(int64_t M, const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
-                      const c10::Half* scales, int64_t pairs, float* out) {
-  if (M <= kRowsPerPass) return false;
-  alignas(64) float block[kInt4Columns / 2 * 64];  // [pair][column][32 rows]
-  for (int64_t c = 0, p0 = 0; p0 < pairs; ++c, p0 += kInt4Columns / 2, scales += 64) {
-    for (int64_t p = 0; p < kInt4Columns / 2; ++p)
-      for (int h = 0; h < 16 / kLanes; ++h) {
-        vf q0, q1, q2, q3;
-        int4_widen(nibbles + (p0 + p) * 32 + 2 * kLanes * h, q0, q1, q2, q3);
-        float* at = block + p * 64 + kLanes * h;
-        put(at, q0), put(at + 16, q1), put(at + 32, q2), put(at + 48, q3);
-      }
-    for (int64_t m = 0; m < M; m += kRowsPerPass)
-      rows<kRowsPerPass>(M - m, [&](auto mr) {
-        int4_block<decltype(mr)::value>(x + m * ldx, ldx, xsum + m * ldsum + c, ldsum, block, scales, p0,
-                                        out + m * kGroup, c == 0);
-      });
+// out[m][the half's 32 rows] for every row of x, kInt4Rows at a time, block by block.
+inline void int4_rows(int64_t M, const Int4Rows& x, const uint8_t* nibbles, const c10::Half* scales, float* out) {
+  for (int64_t m = 0; m < M; m += kInt4Rows) {
+    const Int4Rows at{x.x, x.xsum + m * x.columns, x.xq + m * 2 * x.pairs, x.xscale + m * x.columns, x.pairs, x.columns};
+    for (int64_t c = 0; c < x.columns; ++c)
+      rows<kInt4Rows>(M - m, [&](auto mr) { int4_block<decltype(mr)::value>(at, c, nibbles, scales, out + m * kGroup); });
   }
-  return true;
 }
 
 inline vf widen(const c10::BFloat16* p) {  // kLanes bfloat16 as float32

@@ -203,3 +203,19 @@ def test_every_cpu_setting_loads_and_decodes_at_every_kernel_level(cpu_kernels, 
         assert (llm.decoder.layers[0].down.kernel() == kernels.describe()) == ours
     seqs = run(llm.engine(), [Sequence(llm.validate(ids, 6, ignore_eos=True)) for ids in PROMPTS])
     assert all(len(s.output_ids) == 6 and all(0 <= t < 256 for t in s.output_ids) for s in seqs)
+
+
+def test_a_kernel_setting_that_cannot_run_names_itself_and_what_would(monkeypatch):
+    """``CPU_KERNELS``: a value that is no level, and a level this CPU lacks, fail the load naming the
+    setting, the missing flags and the levels that run here; never oneDNN's raw error or an illegal
+    instruction."""
+    monkeypatch.setenv("CPU_KERNELS", "avx3")
+    with pytest.raises(ValueError, match=r"CPU_KERNELS must be auto, avx512bf16, avx512, avx2 or none, got 'avx3'"):
+        LLM(LLMConfig("unused", compile=False, kv_cache_tokens=64), torch.device("cpu"), head_dim_64_model(), Letters())
+    lacking = [name for name in kernels.LEVELS if name not in kernels.runnable()]
+    if not lacking:
+        pytest.skip("this CPU runs every level")
+    monkeypatch.setenv("CPU_KERNELS", lacking[0])
+    with pytest.raises(ValueError, match=rf"CPU_KERNELS={lacking[0]}: this CPU lacks .*avx512.*, which .* needs; "
+                                         rf"set CPU_KERNELS to auto, {' or '.join([*kernels.runnable(), 'none'])}"):
+        LLM(LLMConfig("unused", compile=False, kv_cache_tokens=64), torch.device("cpu"), head_dim_64_model(), Letters())
