@@ -128,11 +128,13 @@ def _ratio(value: float | None) -> str:
 
 def quantized_rows(points: list[dict], limits: dict[str, Roofline], contexts: dict[str, float]) -> list[dict]:
     """One row per pair and concurrency: both systems' tok/s, their ratio, bytes a step and rooflines."""
-    found = {(p["dtype"], p["concurrency"]): p for p in points if p["workload"] == "fixed" and p["dtype"] in limits}
+    found = {(p["system"], p["concurrency"]): p for p in points if p["workload"] == "fixed"}
     table = []
     for setting, kind in QUANTIZED_PAIRS:
-        for c in sorted({c for d, c in found if d == setting}):
-            ours, theirs = found.get((setting, c)), found.get((kind, c))
+        if setting not in limits:
+            continue
+        for c in sorted({c for s, c in found if s == f"ensemble_http_{setting}"}):
+            ours, theirs = found.get((f"ensemble_http_{setting}", c)), found.get((COUNTERPART[f"ensemble_http_{setting}"], c))
             row = {"setting": setting, "peer": kind, "concurrency": c}
             for who, name, p in (("ours", setting, ours), ("peer", kind, theirs)):
                 bound = limits[name].tokens_per_s(c, contexts["fixed"])

@@ -45,6 +45,7 @@ LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "AVX2"),
 }
 _lock = threading.Lock()
+_loaded: set[str] = set()  # the levels whose ops this process holds
 ops = None  # the chosen level's ``torch.ops`` namespace, once ``load`` found one; what traced code reads
 level: str | None = None  # its name
 
@@ -102,6 +103,8 @@ def build(name: str) -> str | None:
     missing = sorted(set(needs) - cpu_flags())
     if missing:
         return f"this CPU lacks {', '.join(missing)}, which {title} needs"
+    if name in _loaded:  # registered once per process, whatever asks again
+        return None
     parts = [path.read_bytes() for path in SOURCES] + [name.encode(), torch.__version__.encode(),
                                                        " ".join(sorted(cpu_flags())).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -124,6 +127,7 @@ def build(name: str) -> str | None:
                 detail = getattr(e, "stderr", None) or str(e)
                 return f"building {SOURCES[0].name} for {title} failed: {detail.strip()[-400:]}"
         torch.ops.load_library(str(target))
+        _loaded.add(name)
         namespace = f"triton_chat_{name}"
         torch.library.register_fake(f"{namespace}::paged_attention",
                                     lambda q, k_cache, v_cache, slots, lengths, scale: torch.empty_like(q))

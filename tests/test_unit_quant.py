@@ -219,3 +219,29 @@ def test_a_kernel_setting_that_cannot_run_names_itself_and_what_would(monkeypatc
     with pytest.raises(ValueError, match=rf"CPU_KERNELS={lacking[0]}: this CPU lacks .*avx512.*, which .* needs; "
                                          rf"set CPU_KERNELS to auto, {' or '.join([*kernels.runnable(), 'none'])}"):
         LLM(LLMConfig("unused", compile=False, kv_cache_tokens=64), torch.device("cpu"), head_dim_64_model(), Letters())
+
+
+def test_a_failed_build_or_a_cpu_without_avx2_falls_back_to_onednn_saying_why(monkeypatch, tmp_path):
+    """No level to run (an Arm CPU, or x86 without AVX2), or a compiler that fails: the model loads on
+    oneDNN and torch in float32 under ``dtype: auto``, the load log says why, and it decodes."""
+    monkeypatch.setenv("CPU_KERNELS", "auto")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"fpu", "sse2"}))
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    llm = LLM(LLMConfig("unused", compile=False, kv_cache_tokens=208), torch.device("cpu"), head_dim_64_model(), Letters())
+    assert "oneDNN and torch (this CPU has no AVX2 with FMA and F16C (our kernels' lowest level))" in llm.kernels
+    monkeypatch.undo()
+    lowest = kernels.runnable()[-1:] or pytest.skip("this CPU runs no level to fail a build of")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CPU_KERNELS", lowest[0])
+    monkeypatch.setattr(kernels, "_command", lambda source, target, name: ["g++", "--no-such-flag", str(source)])
+    monkeypatch.setattr(kernels, "_loaded", set())  # as in a process that has loaded none
+    kernels.build.cache_clear()
+    try:
+        llm = LLM(LLMConfig("unused", compile=False, kv_cache_tokens=208), torch.device("cpu"), head_dim_64_model(), Letters())
+        assert f"oneDNN and torch (building kernels.cpp for {kernels.LEVELS[lowest[0]][2]} failed: " in llm.kernels
+        assert "no-such-flag" in llm.kernels and not list(tmp_path.rglob("*.so"))
+        seqs = run(llm.engine(), [Sequence(llm.validate(ids, 4, ignore_eos=True)) for ids in PROMPTS])
+        assert all(len(s.output_ids) == 4 for s in seqs)
+    finally:
+        kernels.build.cache_clear()  # the next build finds the real one in its own cache
