@@ -2,9 +2,10 @@
 // built as AVX-512 (F, BW, DQ, VL: vectors of 16 float32) and as AVX2 + FMA (vectors of 8). The weights are
 // widened to float32 in registers as they are read, exactly: a pair of bfloat16 columns is one 32-bit word
 // per row, whose low half shifted up is the first column's float32 and whose high half masked is the
-// second's; int8 and int4 go through integer conversion. x's bfloat16 pair is widened the same way and
-// broadcast, and an FMA per column adds each product (exact: 8 significant bits times 8) to float32 sums.
-// So a step reads the stored bytes (bfloat16's, int8's or int4's), not float32's.
+// second's; int8's through integer conversion. x's bfloat16 pair is widened the same way and broadcast,
+// and an FMA per column adds each product (exact: 8 significant bits times 8) to float32 sums. int4 is
+// multiplied in integers (int4_rows below). So a step reads the stored bytes (bfloat16's, int8's or
+// int4's), not float32's.
 #pragma once
 
 #include <cstring>
@@ -28,7 +29,6 @@ typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef int16_t vi16 __attribute__((vector_size(2 * kLanes)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
-typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 
 template <typename V>
 inline V load(const void* p) {  // unaligned
@@ -40,14 +40,6 @@ inline V load(const void* p) {  // unaligned
 inline void put(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf splat(float f) { return vf{} + f; }
-
-inline vu widen_u16(const void* p) {  // kLanes 16-bit words zero-extended (vpmovzxwd from memory)
-#if defined(__AVX512F__)
-  return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  return (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#endif
-}
 
 inline float word_float(uint32_t bits) {
   float f;

@@ -166,7 +166,7 @@ def test_docker_entrypoint_falls_back_to_the_cpu_without_a_gpu(model_dir, tmp_pa
     )
     try:
         server = TritonServer(ports=ports, log_path=tmp_path / "entrypoint.log", process=proc)
-        server.wait_ready(timeout=300)
+        server.wait_ready(timeout=600)  # a first start compiles the automatic dtype's graphs (minutes on 2 cores)
         reply = requests.post(f"{server.url}/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 4}, timeout=120)
         assert reply.status_code == 200 and reply.json()["text_output"].strip()
         log_text = (tmp_path / "entrypoint.log").read_text()

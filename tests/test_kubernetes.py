@@ -328,7 +328,7 @@ def test_the_entrypoint_serves_with_the_deployments_environment_and_its_probes_p
                             env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         server = TritonServer(ports=ports, log_path=log, process=proc)
-        server.wait_ready(timeout=300)
+        server.wait_ready(timeout=600)  # a cold compile of the automatic dtype's graphs: up to ~5 minutes on 2 cores
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             command = pods["triton"][probe]["exec"]["command"]
             result = subprocess.run(command, env=env, capture_output=True, text=True,
