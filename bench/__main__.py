@@ -86,11 +86,11 @@ FULL = Plan((1, 4, 16, 32, 64), (1, 4, 16), (1, 16), (16, 64), (1, 16), (4, 16),
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"model name\s*:\s*(.+)", cpuinfo)
-    flags = set((re.search(r"flags\s*:\s*(.+)", cpuinfo) or re.search("()", "")).group(1).split())
+    why_not = kernels.load()
     return {
         "cpu": model.group(1) if model else platform.processor(),
-        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-        "kernels": kernels.describe() if kernels.load() is None else f"oneDNN and torch ({kernels.load()})",
+        "cpu_features": sorted(kernels.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "kernels": kernels.describe() if why_not is None else f"oneDNN and torch ({why_not})",
         "cores": len(os.sched_getaffinity(0)),
         "gpu": has_gpu(),
         "torch": torch.__version__,

@@ -133,8 +133,9 @@ def quantized_rows(points: list[dict], limits: dict[str, Roofline], contexts: di
     for setting, kind in QUANTIZED_PAIRS:
         if setting not in limits:
             continue
-        for c in sorted({c for s, c in found if s == f"ensemble_http_{setting}"}):
-            ours, theirs = found.get((f"ensemble_http_{setting}", c)), found.get((COUNTERPART[f"ensemble_http_{setting}"], c))
+        system = f"ensemble_http_{setting}"
+        for c in sorted({c for s, c in found if s == system}):
+            ours, theirs = found.get((system, c)), found.get((COUNTERPART[system], c))
             row = {"setting": setting, "peer": kind, "concurrency": c}
             for who, name, p in (("ours", setting, ours), ("peer", kind, theirs)):
                 bound = limits[name].tokens_per_s(c, contexts["fixed"])

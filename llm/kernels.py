@@ -11,8 +11,9 @@ Levels, as llama.cpp builds its CPU variants (``LEVELS``, best first): ``avx512b
 ``avx512`` (F, BW, DQ, VL) and ``avx2`` (with FMA and F16C), the last two one source that widens the
 weights to float32 in registers. ``load`` takes the best the CPU has, or the one the ``CPU_KERNELS``
 environment variable names (``auto``, the default; a level: a lower one than the CPU's best forces that
-path, as the tests do for every level the machine runs; or ``none``: oneDNN and torch only). Each level is built with its own ``-m``
-flags against the installed torch into the compile cache (inductor's ``TORCHINDUCTOR_CACHE_DIR``), under
+path, as the tests do for every level the machine runs; or ``none``: oneDNN and torch only). Each level
+is built with its own ``-m`` flags against the installed torch into the compile cache (inductor's
+``TORCHINDUCTOR_CACHE_DIR``), under
 a name that covers the sources, the level, the torch version and the CPU's flags, so a restart loads it
 in milliseconds; its ops live under a namespace of its own (``torch.ops.triton_chat_avx2``, ...), so one
 process can hold several. Where none runs (a CPU without AVX2, an Arm one, a failed build), ``load`` says
@@ -65,6 +66,11 @@ def runnable() -> list[str]:
     return [name for name, (needs, _, _) in LEVELS.items() if flags.issuperset(needs)]
 
 
+def _lacking(name: str) -> str:
+    """The flags level ``name`` needs that this CPU lacks, comma-separated ("" when it has them all)."""
+    return ", ".join(sorted(set(LEVELS[name][0]) - cpu_flags()))
+
+
 def setting() -> str:
     """``CPU_KERNELS``: ``auto``, a level or ``none``; anything else is refused naming the variable and its values."""
     value = os.environ.get(SETTING, "auto").strip() or "auto"
@@ -99,10 +105,8 @@ def _cache_dir() -> Path:
 def build(name: str) -> str | None:
     """Build (once per CPU, sources, level and torch) and load level ``name``: None when
     ``torch.ops.triton_chat_<name>`` is ready, its shapes known to the compiler; else why not."""
-    needs, _, title = LEVELS[name]
-    missing = sorted(set(needs) - cpu_flags())
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}, which {title} needs"
+    if missing := _lacking(name):
+        return f"this CPU lacks {missing}, which {LEVELS[name][2]} needs"
     if name in _loaded:  # registered once per process, whatever asks again
         return None
     parts = [path.read_bytes() for path in SOURCES] + [name.encode(), torch.__version__.encode(),
@@ -125,7 +129,7 @@ def build(name: str) -> str | None:
                 if partial is not None:
                     Path(partial).unlink(missing_ok=True)
                 detail = getattr(e, "stderr", None) or str(e)
-                return f"building {SOURCES[0].name} for {title} failed: {detail.strip()[-400:]}"
+                return f"building {SOURCES[0].name} for {LEVELS[name][2]} failed: {detail.strip()[-400:]}"
         torch.ops.load_library(str(target))
         _loaded.add(name)
         namespace = f"triton_chat_{name}"
@@ -148,7 +152,7 @@ def load() -> str | None:
     global ops, level
     wanted, found = setting(), runnable()
     if wanted not in ("auto", "none", *found):
-        raise ValueError(f"{SETTING}={wanted}: this CPU lacks {', '.join(sorted(set(LEVELS[wanted][0]) - cpu_flags()))}, "
+        raise ValueError(f"{SETTING}={wanted}: this CPU lacks {_lacking(wanted)}, "
                          f"which {LEVELS[wanted][2]} needs; set {SETTING} to auto, {' or '.join([*found, 'none'])}")
     ops, level = None, None
     if wanted == "none":

@@ -54,6 +54,20 @@ class Letters:
 
     def get_vocab(self) -> dict[str, int]:
         return {f"t{i}": i for i in range(self.size)}
+def head_dim_64_model(positions: int = 64):
+    """A tiny seeded Llama whose heads our attention kernel takes (head_dim 64) and whose widths int4 groups."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, max_position_embeddings=positions, eos_token_id=None,
+                         pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 _servers: list[TritonServer] = []
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import Letters
+from conftest import Letters, head_dim_64_model
 from llm import kernels
 from llm import model as M
 
@@ -161,16 +161,12 @@ def test_a_compiled_bfloat16_engine_runs_the_kernels_in_one_graph_and_compiles_n
     step into a graph per layer), and traffic of every row count compiles nothing more."""
     from torch._dynamo.utils import counters
     from torch.profiler import profile
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from llm import LLM, LLMConfig
     from llm.compiles import COMPILATIONS
     from llm.sequence import Sequence
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
-    hf = LlamaForCausalLM(config).to(torch.bfloat16)
+    hf = head_dim_64_model(positions=256).to(torch.bfloat16)
 
     llm = LLM(LLMConfig("unused", compile=True, kv_cache_tokens=1024, default_max_tokens=8, max_tokens_limit=32, max_running_requests=8,
                         max_batched_tokens=32), torch.device("cpu"), hf, Letters())

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm.reference import StaticGenerator
-from conftest import Letters
+from conftest import Letters, head_dim_64_model
 from llm import LLM, LLMConfig, kernels, quant, resolve_dtype
 from llm.model import Context, Linear
 from llm.sequence import Sequence
@@ -168,16 +168,6 @@ def test_weights_settings_that_cannot_run_name_the_setting_and_what_would():
     with pytest.raises(ValueError, match=r"int4 takes groups of 32 input columns, and layers\.0\.self_attn\.qkv_proj has 48; "
                                          r"use int8, bf16 or auto for this model"):
         LLM(LLMConfig("unused", weights="int4", compile=False, kv_cache_tokens=64), torch.device("cpu"), model, Letters())
-
-
-def head_dim_64_model() -> LlamaForCausalLM:
-    """A tiny model whose heads our attention kernel takes (head_dim 64) and whose widths int4 groups."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, max_position_embeddings=64, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None
-    return model
 
 
 DTYPES_FOR = {"auto": ("auto", "float32", "float16", "bfloat16"), "bf16": ("auto", "bfloat16"), "f32": ("auto", "float32"),
