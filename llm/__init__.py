@@ -83,11 +83,11 @@ class LLMConfig:
 
 def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> torch.dtype:
     """``weights`` bf16 or f32 name the dtype. Else ``auto``: bfloat16 on GPUs that support it (float16 on
-    older ones); on CPUs bfloat16 wherever our kernels run (``llm/kernels.py``: any x86-64 CPU with AVX2) or
-    the CPU computes it natively (AVX512-BF16 or AMX, for oneDNN), which halves the bytes every decode step
-    reads. The arithmetic there: bfloat16-rounded weights and activations, float32 products and sums, and
-    the output layer's greedy pick exactly float32's (``model.Head``). float32 elsewhere, where bfloat16
-    would be emulated and slower."""
+    older ones), and on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), which halves the bytes
+    every decode step reads; float32 on other CPUs. There our AVX2 and AVX-512 kernels run bfloat16 too
+    (``dtype: bfloat16`` or ``weights: bf16``) and faster, but the compiled bfloat16 step on an AVX2 EPYC
+    turned the default model's greedy answer to the README's prompt into a repeating French phrase (the
+    eager step and float32 answer it), so ``auto`` keeps float32 there until that is understood."""
     if weights in WEIGHT_DTYPES:
         return DTYPES[WEIGHT_DTYPES[weights]]
     if name != "auto":
@@ -95,7 +95,7 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native or kernels.load() is None else torch.float32
+    return torch.bfloat16 if native else torch.float32
 
 
 def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:

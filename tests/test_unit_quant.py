@@ -179,14 +179,14 @@ def test_every_cpu_setting_loads_and_decodes_at_every_kernel_level(cpu_kernels, 
     """Every ``weights`` and ``dtype`` a CPU takes, on each kernel level this CPU runs and with none (oneDNN
     where it takes the dtype, torch elsewhere: on a CPU without AVX-512 BW/DQ/VL oneDNN refuses bfloat16 and
     float16 weights with a raw error, which the load must never reach): the model loads, the load log names
-    what runs it, and a batch decodes whole. ``auto`` is bfloat16 wherever our kernels run."""
+    what runs it, and a batch decodes whole. ``auto`` is bfloat16 where the CPU computes it natively."""
     hf = head_dim_64_model().to(torch.bfloat16 if weights == "bf16" else torch.float32)
     config = LLMConfig("unused", weights=weights, dtype=dtype, compile=False, kv_cache_tokens=208, default_max_tokens=4,
                        max_tokens_limit=16)
     llm = LLM(config, torch.device("cpu"), hf.to(resolve_dtype(dtype, torch.device("cpu"), weights)), Letters())
     if dtype == "auto" and weights in ("auto", "int8", "int4"):
         native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        assert (llm.dtype == torch.bfloat16) == (cpu_kernels != "none" or native)
+        assert (llm.dtype == torch.bfloat16) == native
     ours = llm.dtype == torch.bfloat16 and cpu_kernels != "none"
     assert (kernels.describe() in llm.kernels) == ours, llm.kernels
     if weights in ("int8", "int4"):
