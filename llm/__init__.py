@@ -98,6 +98,17 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto") -> tor
     return torch.bfloat16 if native else torch.float32
 
 
+def bf16_storage(config: LLMConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``weights: auto`` keeps the linear layers in bfloat16 under float32 activations: on a CPU
+    where ``dtype: auto`` is float32 (no native bfloat16 arithmetic: AVX2, AVX-512 without BF16) and our
+    kernels run. They multiply float32 activations by the bfloat16 weights, widened exactly in registers,
+    with float32 sums: float32's arithmetic over bf16-rounded weights, half float32's bytes a step, and the
+    output layer's greedy pick still exactly float32's (``Head``). The norms, attention and the KV cache stay
+    float32. (A bfloat16 model, ``dtype: bfloat16``, rounds the activations too; on an AVX2 EPYC its compiled
+    step answered the README's prompt with a repeating French phrase: see docs/configuration.md.)"""
+    return config.dtype == "auto" and device.type == "cpu" and dtype == torch.float32 and kernels.load() is None
+
+
 def load_model(config: LLMConfig, device: torch.device) -> PreTrainedModel:
     """The Hugging Face model of ``config.model_dir`` in the resolved dtype, on ``device``."""
     return AutoModelForCausalLM.from_pretrained(
@@ -149,6 +160,8 @@ class LLM:
         self.tokenizer = tokenizer or load_tokenizer(config.model_dir, "model_dir")
         self.fingerprint = vocab_fingerprint(self.tokenizer)
         self.dtype = hf.dtype
+        if self.weights == "auto" and bf16_storage(config, device, self.dtype):
+            self.weights = "bf16"
         self.vocab_size = hf.get_input_embeddings().num_embeddings
         positions = getattr(hf.config, "max_position_embeddings", None) or 2**31
         self.context_tokens = min(config.max_context_tokens or positions, positions)
@@ -166,7 +179,7 @@ class LLM:
         gpu = self.decoder.gpu_attention
         self.kernels = (f"torch, attention {'in place (llm/gpu_attention.py)' if gpu is None else f'gathered: {gpu}'}"
                         if device.type != "cpu" else kernels.describe() if self.decoder.lm_head.fast else
-                        f"oneDNN and torch ({kernels.load() or 'our kernels take bfloat16 only'})")
+                        f"oneDNN and torch ({kernels.load() or 'our kernels take bfloat16, int8 and int4 weights'})")
         if self.weights in quant.QUANTIZED:
             self.kernels = (f"{self.weights} linear layers on {self.decoder.layers[0].down.kernel()}, "
                             f"the rest on {self.kernels}")

@@ -125,14 +125,24 @@ void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const
       y[m * ldy + r] = Out(out[m * kGroup + r] * (scale ? scale[r] : 1.0f) + (bias ? bias[r] : 0.0f));
 }
 
-// y = x @ w.T (x scale) (+ bias) over weights W (bfloat16 or int8) packed by pack<W>. int8 slices are
-// widened to bfloat16 in registers as they are read for a few rows of x, and for more rows (a prompt
-// chunk) once into an L1 buffer that every row then reads.
+// x as a level's inner loops take it: bfloat16 as it is; float32 as it is where the level widens to float32
+// (kFloatX), else rounded to bfloat16.
+at::Tensor level_x(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat && !kFloatX ? x.to(at::kBFloat16) : x;
+}
+
+// y = x @ w.T (x scale) (+ bias) over weights W (bfloat16 or int8) packed by pack<W>; x bfloat16 or float32,
+// y in x's dtype (float32 too with ``float32``). int8 slices are widened to bfloat16 in registers as they are
+// read for a few rows of x, and for more rows (a prompt chunk) once into an L1 buffer that every row then reads.
 template <typename W>
-at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias, bool float32) {
   constexpr bool int8 = std::is_same_v<W, int8_t>;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x is bfloat16 [M, K]");
+  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat), name,
+              ": x is bfloat16 or float32 [M, K]");
+  float32 = float32 || x_.scalar_type() == at::kFloat;
+  const at::Tensor x = level_x(x_);
+  const bool floats = x.scalar_type() == at::kFloat;
   TORCH_CHECK(packed.scalar_type() == (int8 ? at::kChar : at::kBFloat16) && packed.dim() == 4 &&
                   packed.size(2) == kGroup && packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kGroup >= N &&
                   packed.is_contiguous(),
@@ -141,7 +151,7 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
     TORCH_CHECK(!*v || ((*v)->scalar_type() == at::kFloat && (*v)->is_contiguous() && (*v)->numel() == N), name,
                 ": float32 scales and bias of N");
   const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), groups = packed.size(0);
-  // x's rows as pairs of columns (one 32-bit word each), padded to an even K with a zero column.
+  // x's rows contiguous, padded to an even K with a zero column: pairs of columns (a 32-bit word each in bfloat16).
   at::Tensor xs = x;
   if (K % 2 || x.stride(1) != 1 || x.stride(0) != K) {
     xs = at::zeros({M, 2 * pairs}, x.options());
@@ -149,7 +159,7 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(float32 ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return y;
-  const auto* xp = reinterpret_cast<const uint32_t*>(xs.const_data_ptr<c10::BFloat16>());
+  const void* xp = xs.const_data_ptr();
   const W* w = packed.const_data_ptr<W>();
   const float* sp = scale ? scale->const_data_ptr<float>() : nullptr;
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
@@ -172,14 +182,19 @@ at::Tensor linear(const char* name, const at::Tensor& x, const at::Tensor& packe
           wb = wp;
         }
         for (int64_t m = 0; m < M; m += kRowsPerPass) {
-          const uint32_t* xm = xp + m * pairs;
           float* om = out.data() + m * kGroup;
           rows<kRowsPerPass>(M - m, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
-            if constexpr (int8) {
-              if (!wb) return slice<MR>(xm, pairs, wp, p0, p1, om, p0 == 0);
+            const auto run = [&](const auto* xm) {
+              if constexpr (int8) {
+                if (!wb) return slice<MR>(xm, pairs, wp, p0, p1, om, p0 == 0);
+              }
+              slice<MR>(xm, pairs, wb, p0, p1, om, p0 == 0);
+            };
+            if constexpr (kFloatX) {
+              if (floats) return run(static_cast<const float*>(xp) + m * 2 * pairs);
             }
-            slice<MR>(xm, pairs, wb, p0, p1, om, p0 == 0);
+            run(static_cast<const uint32_t*>(xp) + m * pairs);
           });
         }
       }
@@ -246,11 +261,13 @@ std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& q, const at::Tens
   return {nibbles, scales};
 }
 
-// y = x @ w.T (+ bias), bfloat16, w the int4 weights int4_pack packed.
+// y = x @ w.T (+ bias), w the int4 weights int4_pack packed; x bfloat16 or float32, y in x's dtype.
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at::Tensor& scales, int64_t N,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kBFloat16, "int4_linear: x is bfloat16 [M, K]");
-  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat),
+              "int4_linear: x is bfloat16 or float32 [M, K]");
+  const at::Tensor x = level_x(x_).contiguous();
+  const bool floats = x.scalar_type() == at::kFloat;
   const int64_t M = x.size(0), K = x.size(1), pairs = K / 2, columns = K / kInt4Columns, groups = nibbles.size(0);
   TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 4 && nibbles.size(2) == pairs &&
                   K % kInt4Columns == 0 && groups * kGroup >= N && nibbles.is_contiguous() &&
@@ -258,19 +275,22 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
               "int4_linear: the weights must come from int4_pack, K = x.size(1)");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "int4_linear: a float32 bias of N");
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x_.options());
   if (M == 0 || N == 0) return y;
   // Each row of x's sum over each column block, for the m term; its int8 quantization where the level takes it.
   at::Tensor xsum = at::empty({M, columns}, x.options().dtype(at::kFloat));
   at::Tensor xscale = at::empty({kInt4Integer ? M : 0, columns}, x.options().dtype(at::kFloat));
   at::Tensor xq = at::empty({kInt4Integer ? M : 0, K}, x.options().dtype(at::kChar));
-  const auto* xv = x.const_data_ptr<c10::BFloat16>();
+  const auto value = [&, bf = floats ? nullptr : x.const_data_ptr<c10::BFloat16>(),
+                       fl = floats ? x.const_data_ptr<float>() : nullptr](int64_t i) {
+    return bf ? static_cast<float>(bf[i]) : fl[i];
+  };
   float *sp = xsum.mutable_data_ptr<float>(), *scales_of_x = xscale.mutable_data_ptr<float>();
   int8_t* quantized = xq.mutable_data_ptr<int8_t>();
   for (int64_t i = 0; i < M * columns; ++i) {
     float s = 0, top = 0;
     for (int64_t k = 0; k < kInt4Columns; ++k) {
-      const float v = static_cast<float>(xv[i * kInt4Columns + k]);
+      const float v = value(i * kInt4Columns + k);
       s += v;
       top = std::max(top, std::abs(v));
     }
@@ -279,10 +299,11 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
       const float scale = top / 127, inverse = top > 0 ? 127 / top : 0;
       scales_of_x[i] = scale;
       for (int64_t k = 0; k < kInt4Columns; ++k)
-        quantized[i * kInt4Columns + k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xv[i * kInt4Columns + k]) * inverse));
+        quantized[i * kInt4Columns + k] = static_cast<int8_t>(std::nearbyint(value(i * kInt4Columns + k) * inverse));
     }
   }
-  const Int4Rows rows_of_x{reinterpret_cast<const uint32_t*>(xv), sp, xq.const_data_ptr<int8_t>(),
+  // The bfloat16 pairs, for a level that multiplies them (float32 x never reaches one: level_x).
+  const Int4Rows rows_of_x{floats ? nullptr : reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>()), sp, xq.const_data_ptr<int8_t>(),
                            xscale.const_data_ptr<float>(), pairs, columns};
   const uint8_t* nib = nibbles.const_data_ptr<uint8_t>();
   const c10::Half* sc = scales.const_data_ptr<c10::Half>();
@@ -293,8 +314,11 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
       for (int64_t h = 0; h < 2; ++h)
         int4_rows(M, rows_of_x, nib + (g * 2 + h) * pairs * 32, sc + (g * 2 + h) * columns * 64, out.data() + 32 * h);
       const int64_t n0 = g * kGroup;
-      store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr,
-            bp ? bp + n0 : nullptr);
+      if (y.scalar_type() == at::kFloat)
+        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr, bp ? bp + n0 : nullptr);
+      else
+        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr,
+              bp ? bp + n0 : nullptr);
     }
   });
   return y;

@@ -8,6 +8,7 @@ namespace {
 
 constexpr int64_t kRowsPerPass = 4;
 constexpr bool kInt4Integer = false;  // int4 multiplies bfloat16 x by its widened weights
+constexpr bool kFloatX = false;  // vdpbf16ps multiplies bfloat16: float32 x is rounded to it first (as llama.cpp)
 
 // 32 int8 weights (16 rows x a pair of columns, packed order) as bfloat16, exactly: |q| <= 127 fits its 8 bits.
 inline __m512bh widen_int8(const int8_t* p) {

@@ -80,10 +80,22 @@ inline void widen_int8(const int8_t* src, c10::BFloat16* dst, int64_t count) {
   }
 }
 
+// Columns 2 at and 2 at + 1 of x as float32: from a bfloat16 pair (one 32-bit word), widened exactly, or as
+// they are (float32 activations: the model's dtype where weights are stored in bfloat16, weights: auto).
+constexpr bool kFloatX = true;
+inline void x_pair(const uint32_t* x, int64_t at, float& first, float& second) {
+  first = word_float(x[at] << 16);
+  second = word_float(x[at] & 0xFFFF0000u);
+}
+inline void x_pair(const float* x, int64_t at, float& first, float& second) {
+  first = x[2 * at];
+  second = x[2 * at + 1];
+}
+
 // out[m][64 rows] (+)= x[m, 2 p0 : 2 p1] . a group's slice of packed weights (``wp``: its pair p0), for MR rows
-// of x, a tile of kTile<MR> vectors of output rows at a time.
-template <int MR, typename W>
-inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64_t p1, float* out, bool first) {
+// of x (``ldx`` pairs of columns apart), a tile of kTile<MR> vectors of output rows at a time.
+template <int MR, typename W, typename X>
+inline void slice(const X* x, int64_t ldx, const W* wp, int64_t p0, int64_t p1, float* out, bool first) {
   constexpr int T = kTile<MR>;
   for (int64_t tile = 0; tile < kGroup; tile += T * kLanes) {
     vf acc[MR][T];
@@ -92,11 +104,7 @@ inline void slice(const uint32_t* x, int64_t ldx, const W* wp, int64_t p0, int64
     const W* w = wp + tile * 2;
     for (int64_t p = p0; p < p1; ++p, w += kGroup * 2) {
       float x0[MR], x1[MR];
-      for (int m = 0; m < MR; ++m) {
-        const uint32_t pair = x[m * ldx + p];
-        x0[m] = word_float(pair << 16);
-        x1[m] = word_float(pair & 0xFFFF0000u);
-      }
+      for (int m = 0; m < MR; ++m) x_pair(x, m * ldx + p, x0[m], x1[m]);
       for (int j = 0; j < T; ++j) {
         vf w0, w1;
         widen_pair(w + 2 * kLanes * j, w0, w1);

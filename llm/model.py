@@ -213,12 +213,14 @@ class Head(torch.nn.Module):
 
     CANDIDATES = 16
 
-    def __init__(self, weight: torch.Tensor, context: Context) -> None:
+    def __init__(self, weight: torch.Tensor, context: Context, bf16: bool = False) -> None:
+        """``bf16``: the approximate logits from ``weight`` rounded to bfloat16 (float32 models, weights bf16)."""
         super().__init__()
         self.context = context
-        self.fast = _ours(weight)
-        self.linear = Linear(weight if self.fast else weight.float(), context)
-        if self.fast:
+        stored = weight.to(torch.bfloat16) if bf16 else weight
+        self.fast = _ours(stored)
+        self.linear = Linear(stored if self.fast else weight.float(), context)
+        if self.fast:  # the model's own weights, exactly
             context.head = weight.detach().float()
             bound = 2**-8 * 1.01 + 2 * weight.shape[1] * 2**-23
             self.register_buffer("error", bound * context.head.norm(dim=1), persistent=False)
@@ -227,7 +229,7 @@ class Head(torch.nn.Module):
         """Float32 logits of the float32 hidden states ``h`` (``[rows, hidden]``)."""
         if not self.fast:
             return self.linear(h)
-        approx = self.linear.op(h.to(torch.bfloat16), self.linear.packed, self.linear.out_features, None, True)
+        approx = self.linear.op(h, self.linear.packed, self.linear.out_features, None, True)
         bound = self.error * torch.linalg.vector_norm(h, dim=-1, keepdim=True)
         top = (approx + bound).topk(self.CANDIDATES + 1, dim=-1)
         ids = top.indices[:, : self.CANDIDATES]
@@ -300,7 +302,7 @@ class Decoder(torch.nn.Module):
         self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context, weights, i, dtype, stored)
                                           for i, layer in enumerate(body.layers))
         self.norm = body.norm.weight
-        self.lm_head = Head(hf.lm_head.weight, self.context)
+        self.lm_head = Head(hf.lm_head.weight, self.context, weights == "bf16")
         cos, sin = body.rotary_emb(torch.zeros(1, dtype=dtype, device=device), torch.arange(positions, device=device)[None])
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)
@@ -398,8 +400,8 @@ class _Layer(torch.nn.Module):
             if weights == "int4" and all(isinstance(w, quant.Int4) for w in found):
                 return quant.QuantizedLinear(weights, quant.Int4.cat(found), bias, dtype)
             w = torch.cat([w.dequantize().to(dtype) if isinstance(w, quant.Int4) else w for w in found])
-            if weights not in quant.QUANTIZED:
-                return Linear(w, context, bias)
+            if weights not in quant.QUANTIZED:  # bf16: stored so under float32 activations too (bf16_storage)
+                return Linear(w.to(torch.bfloat16) if weights == "bf16" else w, context, bias)
             quant.check_shape(weights, f"layers.{index}.{name}", w)
             return quant.QuantizedLinear(weights, w, bias, dtype)
 

@@ -130,9 +130,10 @@ class QuantizedLinear(torch.nn.Module):
             ready = None
         self.setting, self.out_features = setting, weight.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        # Our int8 and int4 kernels where the bf16 one runs (llm/model.py's ``_ours``): bfloat16, AVX2 or better.
-        self.ours = (setting in ("int8", "int4") and weight.device.type == "cpu" and dtype == torch.bfloat16
-                     and kernels.load() is None)
+        # Our int8 and int4 kernels where the bf16 one runs (llm/model.py's ``_ours``): AVX2 or better, x in
+        # bfloat16 or float32 (rounded to bfloat16 on the AVX512-BF16 level, which multiplies that).
+        self.ours = (setting in ("int8", "int4") and weight.device.type == "cpu"
+                     and dtype in (torch.bfloat16, torch.float32) and kernels.load() is None)
         self.op = (kernels.ops.int8_linear if setting == "int8" else kernels.ops.int4_linear) if self.ours else None
         if self.ours and setting == "int8":
             q, scale = int8_weights(weight)

@@ -83,7 +83,12 @@ def kill_mid_traffic(server: TritonServer, openai_url: str, model: str) -> dict 
                   for stream in (False, True)]
         answered = [pool.submit(in_flight, f"{http_url}/v2/models/ensemble_infer/infer", infer)
                     for _ in range(INFER_IN_FLIGHT)]
-        time.sleep(3)
+        # Killed once llm holds every one of them, not after a fixed wait (3 s assumed they had all arrived;
+        # a request that had not would get the outage's error instead of its own).
+        deadline = time.monotonic() + 120
+        while metric_value(server, "llm_requests_running") + metric_value(server, "llm_requests_waiting") < 3 + INFER_IN_FLIGHT:
+            assert time.monotonic() < deadline, "the requests never all reached llm"
+            time.sleep(0.1)
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         outage, deadline = [], time.monotonic() + 180

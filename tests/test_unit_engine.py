@@ -47,7 +47,12 @@ def model() -> LlamaForCausalLM:
 
 
 def tiny(model, **config) -> LLM:
-    settings = {"default_max_tokens": 4, "max_tokens_limit": 16, "kv_cache_tokens": BUDGET, "compile": False} | config
+    """An engine on ``model`` in its own dtype: a float32 one says so, as ``dtype: auto`` would keep float32's
+    activations but store the linear layers in bfloat16 on a CPU without native bfloat16 (llm.bf16_storage),
+    and these tests compare with Hugging Face's float32 replies exactly."""
+    own = "float32" if model.dtype == torch.float32 else "auto"
+    settings = {"default_max_tokens": 4, "max_tokens_limit": 16, "kv_cache_tokens": BUDGET, "compile": False,
+                "dtype": own} | config
     return LLM(LLMConfig("unused", **settings), torch.device("cpu"), model, Letters())
 
 
