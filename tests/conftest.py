@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
@@ -19,7 +20,7 @@ from launcher.paths import MODEL_REPOSITORY
 from launcher.process import Ports, free_port
 from launcher.repository import repository_variant
 from launcher.tritonserver import TritonServer
-from llm import kernels
+from llm import kernels, resolve_dtype
 
 ADMIN_KEY = "test-admin-key"
 
@@ -115,19 +116,23 @@ def running_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, re
 
 @pytest.fixture(scope="session")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
-    """The shipped repository with llm in float32 instead of its automatic dtype (bfloat16 on CPUs with
-    native bf16), so that tests may compare the replies of separate requests exactly. In float32 the
-    engine gives the same tokens whatever the batch on the CPU, and whatever the prefix cache held; in
-    bfloat16 rounding differs with the shape of the step (the batch-mates, or a prompt's prefix found in
-    the cache and only its tail prefilled) and flips near ties: 5 of about 200 soak replies, and 20 of 60
-    48-token replies repeated after their prefix was cached (measured, docs/configuration.md). The
-    automatic dtype is served by the tests that start their own servers (test_cli.py, test_kubernetes.py,
-    test_bench.py's quick benchmark)."""
-    yield from running_server(model_dir, tmp_path_factory, float32_repository(tmp_path_factory))
+    """The shipped repository with llm's activations in float32 (``exact_repository``), so that tests may
+    compare the replies of separate requests exactly. With float32 activations the engine gives the same
+    tokens whatever the batch on the CPU, and whatever the prefix cache held (our kernels give a row the same
+    sums whatever the rows beside it); in bfloat16 rounding differs with the shape of the step (the
+    batch-mates, or a prompt's prefix found in the cache and only its tail prefilled) and flips near ties: 5
+    of about 200 soak replies, and 20 of 60 48-token replies repeated after their prefix was cached
+    (measured, docs/configuration.md). Where the automatic dtype is bfloat16 it is served by the tests that
+    start their own servers (test_cli.py, test_kubernetes.py, test_bench.py's quick benchmark)."""
+    yield from running_server(model_dir, tmp_path_factory, exact_repository(tmp_path_factory))
 
 
-def float32_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shipped repository with llm in float32 (``server`` says why)."""
+def exact_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped repository where ``dtype: auto`` keeps float32 activations (CPUs without native bfloat16,
+    their linear layers in bfloat16 on our kernels), else a copy with llm in float32 (``server`` says why)."""
+    if resolve_dtype("auto", torch.device("cpu")) == torch.float32:
+        return MODEL_REPOSITORY
+
     def float32(config: str) -> str:
         return config.replace('key: "dtype" value: { string_value: "auto" }', 'key: "dtype" value: { string_value: "float32" }')
 

@@ -11,7 +11,7 @@ An example is a fenced block naming ``localhost:8000`` (Triton's HTTP), ``:8001`
 - a transcript: ``$ `` command lines, each followed by its output.
 
 What a 135M model writes depends on the CPU and the dtype (the pages show one run's, naming both; the
-suite serves float32), so a reply is checked for shape: the JSON keys and metric names the page shows are
+suite serves float32 activations), so a reply is checked for shape: the JSON keys and metric names the page shows are
 in the real output. An error does not depend on either: it must be the page's, word for word. The
 reasoning example needs a thinking template, swapped in for it as the reasoning suite does. Examples with a
 reader's own paths (docs/configuration.md's tokenizer swap, docs/operations.md's compose commands) are

@@ -1,6 +1,6 @@
 """Prefix caching on a real server: a conversation's next turn finds its earlier turns in the cache, says so
 in usage (OpenAI's ``prompt_tokens_details.cached_tokens``) and in Triton's ``cached_tokens``, and replies
-exactly as without the cache: in float32 (conftest.server), where a greedy reply depends neither on the
+exactly as without the cache: in float32 activations (conftest.server), where a greedy reply depends neither on the
 batch nor on what the cache held. A fresh ``cache_salt`` gives the same request without the cache on the
 same server."""
 

@@ -103,7 +103,7 @@ def grpc_stream(address: str, n: int) -> Outcome:
 
 
 def test_soak_above_capacity_loses_nothing_and_mixes_nothing_up(server):
-    """In float32, where a greedy reply does not depend on its batch-mates (conftest.server)."""
+    """In float32 activations, where a greedy reply does not depend on its batch-mates (conftest.server)."""
     http_url = server.url
 
     def llm_metric(name: str) -> float:

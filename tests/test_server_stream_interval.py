@@ -6,15 +6,15 @@ import pytest
 
 from client import ChatClient, Prompt
 from launcher.tritonserver import TritonServer
-from conftest import float32_repository, running_server
+from conftest import exact_repository, running_server
 
 INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
 def coalescing(model_dir, tmp_path_factory) -> TritonServer:
-    """The float32 repository, as the shared ``server``, with ``STREAM_INTERVAL=4``."""
-    yield from running_server(model_dir, tmp_path_factory, float32_repository(tmp_path_factory), STREAM_INTERVAL=str(INTERVAL))
+    """The repository of the shared ``server`` (float32 activations), with ``STREAM_INTERVAL=4``."""
+    yield from running_server(model_dir, tmp_path_factory, exact_repository(tmp_path_factory), STREAM_INTERVAL=str(INTERVAL))
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -30,7 +30,7 @@ def test_streamed_chunks_add_up_to_the_whole_reply(http_client, grpc_client, pro
 
 
 def test_interleaved_requests_with_different_params_each_get_their_own_reply(server):
-    """In float32, where a greedy reply does not depend on its batch-mates (conftest.server)."""
+    """In float32 activations, where a greedy reply does not depend on its batch-mates (conftest.server)."""
     http_client = ChatClient(f"127.0.0.1:{server.ports.http}", "http")
     prompts = [
         Prompt(STORY, 32),
