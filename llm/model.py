@@ -214,7 +214,8 @@ class Head(torch.nn.Module):
     CANDIDATES = 16
 
     def __init__(self, weight: torch.Tensor, context: Context, bf16: bool = False) -> None:
-        """``bf16``: the approximate logits from ``weight`` rounded to bfloat16 (float32 models, weights bf16)."""
+        """``bf16``: the approximate logits from ``weight`` rounded to bfloat16 (float32 models whose linear
+        layers are stored smaller: bf16, int8 or int4)."""
         super().__init__()
         self.context = context
         stored = weight.to(torch.bfloat16) if bf16 else weight
@@ -302,7 +303,8 @@ class Decoder(torch.nn.Module):
         self.layers = torch.nn.ModuleList(_Layer(layer, self.kv_heads, self.head_dim, self.context, weights, i, dtype, stored)
                                           for i, layer in enumerate(body.layers))
         self.norm = body.norm.weight
-        self.lm_head = Head(hf.lm_head.weight, self.context, weights == "bf16")
+        # In bfloat16 where the linear layers are stored smaller than float32 (bf16, int8, int4; on our CPU kernels).
+        self.lm_head = Head(hf.lm_head.weight, self.context, weights in ("bf16", "int8", "int4"))
         cos, sin = body.rotary_emb(torch.zeros(1, dtype=dtype, device=device), torch.arange(positions, device=device)[None])
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)

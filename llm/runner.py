@@ -49,12 +49,12 @@ class ModelRunner:
             # Each dynamic size its own symbol: by default sizes equal when first compiled are assumed
             # equal for good (rows and columns, say).
             torch.fx.experimental._config.use_duck_shape = False
-            # On CPUs the step's ~300 kernels and operators are called from inductor's C++ wrapper rather
-            # than from Python: about 1 ms less a decode step on 2 cores (bench.step_profile, 1 row). GPUs
-            # replay captured CUDA graphs, which pay no wrapper per step.
-            options = {"cpp_wrapper": True} if device.type == "cpu" else None
-            self._decode = torch.compile(decoder.decode, options=options)
-            self._mixed = torch.compile(decoder.mixed, options=options)
+            # Inductor's Python wrapper calls the step's ~300 kernels and operators. Its C++ wrapper saved
+            # about 1 ms a decode step on 2 cores (bench.step_profile, 1 row), but compiling it is one more
+            # monolithic g++ run per graph: a cold start of the int8 graphs on an AVX2 EPYC took over 600 s
+            # with it and 330 s without (2026-12-07). GPUs replay captured CUDA graphs, with no wrapper a step.
+            self._decode = torch.compile(decoder.decode)
+            self._mixed = torch.compile(decoder.mixed)
             self.warm_up(progress)
 
     @property
