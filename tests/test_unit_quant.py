@@ -195,7 +195,8 @@ def test_every_cpu_setting_loads_and_decodes_at_every_kernel_level(cpu_kernels, 
     if dtype == weights == "auto":  # float32 activations over bfloat16 weights where our kernels run, not native
         assert llm.weights == ("bf16" if not native and cpu_kernels != "none" else "auto")
     quantized_ours = weights in ("int8", "int4") and llm.dtype in (torch.bfloat16, torch.float32)
-    ours = cpu_kernels != "none" and (llm.dtype == torch.bfloat16 or llm.weights == "bf16" or quantized_ours)
+    # The output layer too: in bfloat16 wherever the linear layers are stored smaller than float32.
+    ours = cpu_kernels != "none" and (llm.dtype == torch.bfloat16 or llm.weights in ("bf16", "int8", "int4"))
     assert (kernels.describe() in llm.kernels) == ours, llm.kernels
     if weights in ("int8", "int4"):
         assert (llm.decoder.layers[0].down.kernel() == kernels.describe()) == (ours and quantized_ours)
