@@ -339,10 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     config = LLMConfig(str(model_dir), max_tokens_limit=512, compile=False)
     hf = load_model(config, device)
     llm = LLM(config, device, hf)
-    dtype = str(llm.dtype).removeprefix("torch.")
+    dtype = str(llm.dtype).removeprefix("torch.")  # the baselines' (Hugging Face's model as loaded) and the peers'
+    weights = llm.weights
+    served = roofline.engine_dtype(dtype, weights)  # the engine's points': its activations and, where smaller, its weights
     params = sum(p.numel() for p in hf.parameters())
     limits = roofline.measure(params, llm.kv_bytes_per_token // llm.dtype.itemsize,
                               list(dict.fromkeys([llm.dtype, torch.float32])), device, args.quick)
+    limits[served] = replace(limits[dtype], dtype=served, weight_bytes=llm.weight_bytes) if served != dtype else limits[dtype]
     points = in_process(StaticGenerator(hf, llm), ids, sets, plan, dtype)
     grammar_build = grammar_build_ms(llm)
     del hf, llm
@@ -353,20 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     cache_warm = cache.exists() and any(cache.iterdir())
     server, startup = start(MODEL_REPOSITORY, model_dir, out, "ensemble", config_name)
     try:
-        points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sets, plan, plan.concurrency,
+        points += asyncio.run(sweep_triton("ensemble_http", served, server, sets, plan, plan.concurrency,
                                            plan.baseline_concurrency))
-        points += asyncio.run(sweep_triton("ensemble_http", dtype, server, sampled, plan, plan.sampled_concurrency))
-        points += asyncio.run(sweep_triton("ensemble_http", dtype, server, structured, plan, plan.structured_concurrency))
+        points += asyncio.run(sweep_triton("ensemble_http", served, server, sampled, plan, plan.sampled_concurrency))
+        points += asyncio.run(sweep_triton("ensemble_http", served, server, structured, plan, plan.structured_concurrency))
         streams = max(plan.structured_concurrency)
         grammar_stall = stall.measure(server.url, workload.fixed(streams, 4 * plan.fixed_tokens, seed=3))
         overhead = asyncio.run(ensemble_overhead(server.url, ids, sets["fixed"], 8 if args.quick else 24))
         frontend = OpenAIFrontend(server, model_dir.name, log_path=out / "openai.log", port=free_port()).start()
         try:
             frontend.wait_ready()
-            points += asyncio.run(sweep_openai(frontend, dtype, sets, plan))
-            chats = chat_points("openai_http", dtype, frontend.url, frontend.model_name, plan, True)
+            points += asyncio.run(sweep_openai(frontend, served, sets, plan))
+            chats = chat_points("openai_http", served, frontend.url, frontend.model_name, plan, True)
             if plan.third_party:  # full mode: a third-party tool on the same endpoint and workload
-                found, note = guidellm.sweep(frontend, sets["fixed"], plan.openai_concurrency, plan.requests, dtype,
+                found, note = guidellm.sweep(frontend, sets["fixed"], plan.openai_concurrency, plan.requests, served,
                                            model_dir, out)
                 points += found
                 tool_notes.append(note)
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                                       port=free_port()).start()
             try:
                 frontend.wait_ready()
-                chats += chat_points("openai_http", dtype, frontend.url, frontend.model_name, plan, False)
+                chats += chat_points("openai_http", served, frontend.url, frontend.model_name, plan, False)
             finally:
                 frontend.stop()
         finally:
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "quick" if args.quick else "full, no peers" if args.no_peers else "full",
         "plan": asdict(plan),
         "machine": machine(),
-        "model": {"dir": str(model_dir), "params": params, "dtype": dtype},
+        "model": {"dir": str(model_dir), "params": params, "dtype": dtype, "weights": weights},
         "roofline": {name: limit.as_dict() for name, limit in limits.items()},
         "contexts": contexts,
         "points": points,

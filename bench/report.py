@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.roofline import Roofline  # noqa: E402
+from bench.roofline import Roofline, engine_dtype  # noqa: E402
 
 OURS = "ensemble_http"
 ORDER = ("in_process", "static", "ensemble_http", "ensemble_grpc", "openai_http", "guidellm_openai", "llama_server_bf16",
@@ -166,13 +166,18 @@ def quantized_markdown(table: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def engine(results: dict) -> str:
+    """The dtype our engine's points carry (results from before weights were recorded: auto)."""
+    return engine_dtype(results["model"]["dtype"], results["model"].get("weights", "auto"))
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [
         f"Benchmark ({results['mode']} mode), {m['date']}: {m['cpu']} ({', '.join(m['cpu_features']) or 'no AVX2'}; "
         f"{m.get('kernels', 'kernels not recorded')}), "
         f"{m['cores']} cores, {'GPU' if m['gpu'] else 'no GPU'}, torch {m['torch']}; model "
-        f"{results['model']['params'] / 1e6:.0f}M params, our engine in {results['model']['dtype']}.",
+        f"{results['model']['params'] / 1e6:.0f}M params, our engine in {engine(results)}.",
         "",
         "Rooflines (measured peak GEMM FLOP/s in the dtype, and read bandwidth):",
         "",
@@ -281,7 +286,7 @@ def plots(results: dict, out: Path) -> None:
                 first.plot([p["concurrency"] for p in rows], [p["ttft_p50_ms"] for p in rows], marker="o", label=system)
         rows = sorted({p["concurrency"]: p["roofline_tokens_per_s"] for p in points
                        if p["workload"] == name and p["system"] == OURS}.items())
-        tput.plot([c for c, _ in rows], [v for _, v in rows], "k--", label=f"roofline ({results['model']['dtype']})")
+        tput.plot([c for c, _ in rows], [v for _, v in rows], "k--", label=f"roofline ({engine(results)})")
         tput.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="output tokens/s", title=f"{name}: throughput")
         lat.set(yscale="log", xlabel="output tokens/s", ylabel="p50 latency (ms)", title=f"{name}: latency vs throughput")
         first.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="p50 time to first token (ms)",

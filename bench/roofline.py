@@ -35,6 +35,13 @@ class Roofline:
         return asdict(self) | {"ridge_batch": self.peak_flops * self.weight_bytes / (2 * self.params * self.bandwidth)}
 
 
+def engine_dtype(dtype: str, weights: str) -> str:
+    """The engine's points' dtype (and roofline's name): ``dtype`` alone where the weights are stored in it
+    (``weights: auto``), else both, so the roofline counts the bytes a step really reads (``LLM.weight_bytes``:
+    on CPUs without native bfloat16, float32 activations over bfloat16 weights read half float32's)."""
+    return dtype if weights == "auto" else f"{dtype}, {weights} weights"
+
+
 def _best(fn, repeats: int) -> float:
     fn()
     best = float("inf")

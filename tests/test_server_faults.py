@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -66,14 +67,23 @@ def kill_mid_traffic(server: TritonServer, openai_url: str, model: str) -> dict 
     chat = {"model": model, "messages": [{"role": "user", "content": story["text_input"]}], "max_tokens": 200,
             "ignore_eos": True}
 
+    began = threading.Event()  # the OpenAI stream's first chunk came: its error must come as an event
+
     def in_flight(url: str, body: dict) -> tuple[str, float]:
         """The reply, and when it came (``time.monotonic()``)."""
         try:
-            reply = requests.post(url, json=body, timeout=30)
-            return f"{reply.status_code} {reply.text}", time.monotonic()
+            if not body.get("stream"):
+                reply = requests.post(url, json=body, timeout=30)
+                return f"{reply.status_code} {reply.text}", time.monotonic()
+            with requests.post(url, json=body, timeout=30, stream=True) as reply:
+                text = b""
+                for chunk in reply.iter_content(chunk_size=None):
+                    text += chunk
+                    began.set()
+            return f"{reply.status_code} {text.decode()}", time.monotonic()
         except requests.Timeout:
             return "client timeout", time.monotonic()
-        except requests.ConnectionError as e:  # tritonserver aborted
+        except requests.ConnectionError as e:  # tritonserver aborted (or a streamed read timed out)
             return f"connection error {e}", time.monotonic()
 
     (victim,) = stubs(server.process.pid)["llm"]
@@ -83,11 +93,13 @@ def kill_mid_traffic(server: TritonServer, openai_url: str, model: str) -> dict 
                   for stream in (False, True)]
         answered = [pool.submit(in_flight, f"{http_url}/v2/models/ensemble_infer/infer", infer)
                     for _ in range(INFER_IN_FLIGHT)]
-        # Killed once llm holds every one of them, not after a fixed wait (3 s assumed they had all arrived;
-        # a request that had not would get the outage's error instead of its own).
+        # Killed once llm holds every one of them and the stream has begun, not after a fixed wait (3 s assumed
+        # both; a request still on its way would get the outage's error instead of its own, and a stream not
+        # yet begun is answered 503 whole).
         deadline = time.monotonic() + 120
-        while metric_value(server, "llm_requests_running") + metric_value(server, "llm_requests_waiting") < 3 + INFER_IN_FLIGHT:
-            assert time.monotonic() < deadline, "the requests never all reached llm"
+        while metric_value(server, "llm_requests_running") + metric_value(server, "llm_requests_waiting") < 3 + INFER_IN_FLIGHT \
+                or not began.is_set():
+            assert time.monotonic() < deadline, "the requests never all reached llm, or the stream never began"
             time.sleep(0.1)
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()

@@ -16,19 +16,19 @@ from ipc.stubs import DeathWatch, zombies
 
 @pytest.fixture
 def fake_stubs(monkeypatch):
-    """Children of this test run as the 'llm' and 'preprocess' stubs of this process (the server)."""
-    children: dict[str, list[subprocess.Popen]] = {"llm": [], "preprocess": []}
+    """Children of this test run as the 'llm' and 'preprocess' stubs of this process (the server). A pid
+    put in ``children["exiting"]`` is an exit under way: out of ``stubs`` (no command line), no zombie yet."""
+    children: dict = {"llm": [], "preprocess": [], "exiting": set()}
 
     def running(server_pid=None) -> dict[str, set[int]]:
-        return {model: {c.pid for c in procs if c.returncode is None and not zombies([c.pid])}
-                for model, procs in children.items()}
+        return {model: {c.pid for c in children[model] if c.returncode is None and not zombies([c.pid])} - children["exiting"]
+                for model in ("llm", "preprocess")}
 
     monkeypatch.setattr(stubs, "stubs", running)
     yield children
-    for procs in children.values():
-        for child in procs:
-            child.kill()
-            child.wait()
+    for child in children["llm"] + children["preprocess"]:
+        child.kill()
+        child.wait()
 
 
 def start(children: dict, model: str) -> subprocess.Popen:
@@ -49,6 +49,29 @@ def test_a_killed_stub_is_reported_once_after_two_looks(fake_stubs):
     assert watch.look() == set()  # once
     start(fake_stubs, "llm")  # the watchdog's reload
     assert watch.look() == set()
+
+
+def test_a_stub_killed_before_the_first_periodic_look_is_reported(fake_stubs):
+    """The watch sees the stubs alive when it is made: the OpenAI front end's first periodic look came a
+    second after it said ready, and CI's fault test killed llm before it (a request then never answered)."""
+    victim = start(fake_stubs, "llm")
+    watch = DeathWatch(["llm"], os.getpid())
+    os.kill(victim.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert [watch.look() for _ in range(3)] == [set(), {"llm"}, set()]
+
+
+def test_a_stub_whose_exit_is_under_way_is_still_reported(fake_stubs):
+    """A killed stub leaves ``stubs`` at once but turns zombie only once its memory is freed (a third of a
+    second for 3 GiB): a look in between must not forget it (CI's fault test lost an OpenAI request so)."""
+    watch = DeathWatch(["llm"], os.getpid())
+    victim = start(fake_stubs, "llm")
+    assert watch.look() == set()
+    fake_stubs["exiting"].add(victim.pid)
+    assert [watch.look() for _ in range(2)] == [set(), set()]
+    os.kill(victim.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert [watch.look() for _ in range(3)] == [set(), {"llm"}, set()]
 
 
 def test_a_normal_exit_and_unwatched_models_are_not_deaths(fake_stubs):
