@@ -3,11 +3,13 @@
 // the rows of x, the checks, the registration) and includes the inner loops of the level it is built for:
 //
 //   kernels_bf16.h  AVX512-BF16: vdpbf16ps multiplies bfloat16 pairs with float32 sums;
-//   kernels_vec.h   AVX-512 (F, BW, DQ, VL) and AVX2 + FMA: the same weights widened to float32 in registers
-//                   (bfloat16 by a shift, int8 and int4 by integer conversion), multiplied by FMA.
+//   kernels_vec.h   AVX-512 (F, BW, DQ, VL) and AVX2 + FMA: bfloat16 weights widened to float32 in registers
+//                   by a shift and multiplied by FMA; int8 and int4 multiplied in integers against x quantized
+//                   per 32 columns to int8, as llama.cpp's Q8 dot products.
 //
-// Every level does the same arithmetic: float32 products of bfloat16 x and the stored weights (exact), summed
-// in float32; only the order of the sums differs between levels. Its ops are registered under the namespace
+// For bfloat16 weights every level does the same arithmetic: float32 products of x (bfloat16, or float32 where
+// the level widens) and the stored weights (exact), summed in float32; only the order of the sums differs
+// between levels. int8 and int4 differ by level as said. Its ops are registered under the namespace
 // the build names (KERNELS_NAMESPACE: triton_chat_avx2, triton_chat_avx512, triton_chat_avx512bf16), so one
 // process can load every level the CPU runs (the tests do).
 //
@@ -25,6 +27,7 @@
 // from L1, not from memory.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -36,6 +39,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -123,6 +127,23 @@ void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < rows; ++r)
       y[m * ldy + r] = Out(out[m * kGroup + r] * (scale ? scale[r] : 1.0f) + (bias ? bias[r] : 0.0f));
+}
+
+// ``n`` (at most 32) values of x as int8, as llama.cpp's Q8 activations: q = round(v / scale), scale = the
+// largest magnitude / 127, which it returns. Rounded to nearest even by adding 1.5 x 2^23 (llama.cpp's
+// nearest_int: std::nearbyint's result, in a form the compiler vectorizes; a scalar loop of nearbyint took
+// as long as the 64-row int8 product it fed).
+inline float quantize_block(const float* v, int64_t n, int8_t* q) {
+  float top = 0;
+  for (int64_t k = 0; k < n; ++k) top = std::max(top, std::abs(v[k]));
+  const float inverse = top > 0 ? 127 / top : 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const float shifted = v[k] * inverse + 12582912.0f;
+    int32_t bits;
+    std::memcpy(&bits, &shifted, sizeof bits);
+    q[k] = static_cast<int8_t>((bits & 0x007FFFFF) - 0x00400000);
+  }
+  return top / 127;
 }
 
 // x as a level's inner loops take it: bfloat16 as it is; float32 as it is where the level widens to float32
@@ -215,12 +236,75 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return linear<c10::BFloat16>("bf16_linear", x, packed, N, std::nullopt, bias, float32);
 }
 
-// y = (x @ q.T) x scale (+ bias), bfloat16: int8 weights with a float32 scale per output row (weights: int8).
-// The int8 weights are read from memory, half of bfloat16's bytes, and widened exactly in L1.
+// y = (x @ q.T) x scale (+ bias), in x's dtype: int8 weights with a float32 scale per output row (weights:
+// int8), read from memory at half of bfloat16's bytes. AVX512-BF16 widens them exactly to bfloat16 (in
+// registers for a few rows, into L1 once for more) for vdpbf16ps; AVX-512 and AVX2 multiply them in integers
+// against x quantized per 32 columns (int8_slice). Measured on the AVX2 EPYC, the 30 layers of SmolLM2-135M:
+// see docs/benchmark.md (by CPU kind).
+#if defined(__AVX512BF16__)
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t N,
                        const std::optional<at::Tensor>& bias) {
   return linear<int8_t>("int8_linear", x, packed, N, scale, bias, false);
 }
+#else
+at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scale, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat),
+              "int8_linear: x is bfloat16 or float32 [M, K]");
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kGroup &&
+                  packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kGroup >= N && packed.is_contiguous(),
+              "int8_linear: the weight must come from its pack, K = x.size(1)");
+  for (const std::optional<at::Tensor>& v : {std::optional<at::Tensor>(scale), bias})
+    TORCH_CHECK(!v || (v->scalar_type() == at::kFloat && v->is_contiguous() && v->numel() == N),
+                "int8_linear: float32 scales and bias of N");
+  const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), groups = packed.size(0);
+  const int64_t blocks = (pairs + kInt8Block - 1) / kInt8Block;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // Each row quantized per block of 32 columns (the last block may be short; a column past an odd K is 0),
+  // its pairs then as 32-bit words of two int16, the form vpmaddwd takes.
+  at::Tensor xf = x.to(at::kFloat);
+  if (K % 2) xf = at::cat({xf, at::zeros({M, 1}, xf.options())}, 1);
+  xf = xf.contiguous();
+  std::vector<int32_t> words(M * pairs);
+  std::vector<float> xscale(M * blocks);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    int8_t q[2 * kInt8Block];
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = 2 * kInt8Block * b, n = std::min(2 * kInt8Block, 2 * pairs - k0);
+        xscale[m * blocks + b] = quantize_block(xf.const_data_ptr<float>() + m * 2 * pairs + k0, n, q);
+        for (int64_t i = 0; i < n / 2; ++i)
+          words[m * pairs + k0 / 2 + i] = static_cast<int32_t>(static_cast<uint16_t>(q[2 * i])) |
+                                          static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(q[2 * i + 1])) << 16);
+      }
+  });
+  const int8_t* w = packed.const_data_ptr<int8_t>();
+  const float* sp = scale.const_data_ptr<float>();
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(M * kGroup);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t p0 = 0; p0 < pairs; p0 += kSlice) {
+        const int64_t p1 = std::min(pairs, p0 + kSlice);
+        const int8_t* wp = w + (g * pairs + p0) * kGroup * 2;
+        for (int64_t m = 0; m < M; m += kInt8Rows)
+          rows<kInt8Rows>(M - m, [&](auto mr) {
+            int8_slice<decltype(mr)::value>(words.data() + m * pairs, pairs, xscale.data() + m * blocks, blocks, wp, p0,
+                                             p1, out.data() + m * kGroup, p0 == 0);
+          });
+      }
+      const int64_t n0 = g * kGroup, rows_here = std::min(kGroup, N - n0);
+      if (y.scalar_type() == at::kFloat)
+        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, rows_here, sp + n0, bp ? bp + n0 : nullptr);
+      else
+        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, rows_here, sp + n0, bp ? bp + n0 : nullptr);
+    }
+  });
+  return y;
+}
+#endif
 
 // int4 (weights: int4): Q4_1's arithmetic, w = d q + m, q in [0, 15], d and m float16 per 32 input columns
 // of each output row (exactly a GGUF's Q4_0/Q4_1 block values). Packed at load, a group's 64 rows as two
@@ -281,26 +365,16 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
   at::Tensor xsum = at::empty({M, columns}, x.options().dtype(at::kFloat));
   at::Tensor xscale = at::empty({kInt4Integer ? M : 0, columns}, x.options().dtype(at::kFloat));
   at::Tensor xq = at::empty({kInt4Integer ? M : 0, K}, x.options().dtype(at::kChar));
-  const auto value = [&, bf = floats ? nullptr : x.const_data_ptr<c10::BFloat16>(),
-                       fl = floats ? x.const_data_ptr<float>() : nullptr](int64_t i) {
-    return bf ? static_cast<float>(bf[i]) : fl[i];
-  };
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* values = xf.const_data_ptr<float>();
   float *sp = xsum.mutable_data_ptr<float>(), *scales_of_x = xscale.mutable_data_ptr<float>();
   int8_t* quantized = xq.mutable_data_ptr<int8_t>();
   for (int64_t i = 0; i < M * columns; ++i) {
-    float s = 0, top = 0;
-    for (int64_t k = 0; k < kInt4Columns; ++k) {
-      const float v = value(i * kInt4Columns + k);
-      s += v;
-      top = std::max(top, std::abs(v));
-    }
+    float s = 0;
+    for (int64_t k = 0; k < kInt4Columns; ++k) s += values[i * kInt4Columns + k];
     sp[i] = s;
-    if constexpr (kInt4Integer) {
-      const float scale = top / 127, inverse = top > 0 ? 127 / top : 0;
-      scales_of_x[i] = scale;
-      for (int64_t k = 0; k < kInt4Columns; ++k)
-        quantized[i * kInt4Columns + k] = static_cast<int8_t>(std::nearbyint(value(i * kInt4Columns + k) * inverse));
-    }
+    if constexpr (kInt4Integer)
+      scales_of_x[i] = quantize_block(values + i * kInt4Columns, kInt4Columns, quantized + i * kInt4Columns);
   }
   // The bfloat16 pairs, for a level that multiplies them (float32 x never reaches one: level_x).
   const Int4Rows rows_of_x{floats ? nullptr : reinterpret_cast<const uint32_t*>(x.const_data_ptr<c10::BFloat16>()), sp, xq.const_data_ptr<int8_t>(),

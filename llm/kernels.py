@@ -123,6 +123,7 @@ def build(name: str) -> str | None:
                 fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
                 os.close(fd)
                 subprocess.run(_command(SOURCES[0], Path(partial), name), check=True, capture_output=True, text=True,
+                               encoding="utf-8", errors="replace",  # g++ quotes in UTF-8; a stub's locale may be ASCII
                                timeout=600)
                 os.replace(partial, target)
             except (OSError, subprocess.SubprocessError) as e:

@@ -1,11 +1,11 @@
 // The inner loops of llm/kernels.cpp for CPUs without AVX512-BF16: one source, in GCC's vector extensions,
-// built as AVX-512 (F, BW, DQ, VL: vectors of 16 float32) and as AVX2 + FMA (vectors of 8). The weights are
-// widened to float32 in registers as they are read, exactly: a pair of bfloat16 columns is one 32-bit word
-// per row, whose low half shifted up is the first column's float32 and whose high half masked is the
-// second's; int8's through integer conversion. x's bfloat16 pair is widened the same way and broadcast,
-// and an FMA per column adds each product (exact: 8 significant bits times 8) to float32 sums. int4 is
-// multiplied in integers (int4_rows below). So a step reads the stored bytes (bfloat16's, int8's or
-// int4's), not float32's.
+// built as AVX-512 (F, BW, DQ, VL: vectors of 16 float32) and as AVX2 + FMA (vectors of 8). bfloat16 weights
+// are widened to float32 in registers as they are read, exactly: a pair of bfloat16 columns is one 32-bit
+// word per row, whose low half shifted up is the first column's float32 and whose high half masked is the
+// second's. x's pair (float32, or bfloat16 widened the same way) is broadcast, and an FMA per column adds each
+// product to float32 sums. int8 and int4 are multiplied in integers against x quantized per 32 columns to
+// int8 (int8_slice, int4_rows below), as llama.cpp's Q8_0 and Q4_1 x Q8 dot products. So a step reads the
+// stored bytes (bfloat16's, int8's or int4's), not float32's.
 #pragma once
 
 #include <cstring>
@@ -27,7 +27,6 @@ constexpr int kTile = MR == 1 ? kGroup / kLanes : 4;
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
-typedef int16_t vi16 __attribute__((vector_size(2 * kLanes)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
 
 template <typename V>
@@ -52,32 +51,6 @@ inline void widen_pair(const c10::BFloat16* p, vf& first, vf& second) {
   const vu v = load<vu>(p);
   first = (vf)(v << 16);
   second = (vf)(v & 0xFFFF0000u);
-}
-
-inline void widen_pair(const int8_t* p, vf& first, vf& second) {
-  const vi16 v = load<vi16>(p);
-  first = __builtin_convertvector(__builtin_convertvector((vi16)((vu16)v << 8) >> 8, vi), vf);
-  second = __builtin_convertvector(__builtin_convertvector(v >> 8, vi), vf);
-}
-
-// A slice of packed int8 weights (``count``, a multiple of 32) as bfloat16 in the same order, for the many
-// rows of a prompt chunk to read from L1: an integer's float32 has no bits in its low half, so its bfloat16
-// is the high half, exactly.
-inline void widen_int8(const int8_t* src, c10::BFloat16* dst, int64_t count) {
-  for (int64_t i = 0; i < count; i += 16) {
-#if defined(__AVX512F__)
-    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(bits));
-#else
-    const auto high = [&](int64_t at) {
-      return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + at))))), 16);
-    };  // packus interleaves the 128-bit halves; the permute puts them back in order
-    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high(i), high(i + 8)), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), words);
-#endif
-  }
 }
 
 // Columns 2 at and 2 at + 1 of x as float32: from a bfloat16 pair (one 32-bit word), widened exactly, or as
@@ -203,6 +176,59 @@ inline void int4_rows(int64_t M, const Int4Rows& x, const uint8_t* nibbles, cons
     const Int4Rows at{x.x, x.xsum + m * x.columns, x.xq + m * 2 * x.pairs, x.xscale + m * x.columns, x.pairs, x.columns};
     for (int64_t c = 0; c < x.columns; ++c)
       rows<kInt4Rows>(M - m, [&](auto mr) { int4_block<decltype(mr)::value>(at, c, nibbles, scales, out + m * kGroup); });
+  }
+}
+
+// int8 in integers, as llama.cpp's Q8_0 x Q8_0 dot product: each row of x quantized per 32-column block to
+// int8 (int8_linear), a pair of its columns as one 32-bit word of two int16 broadcast to every lane. A pair
+// of kLanes rows' int8 (packed order: one row's two columns side by side) sign-extends to int16 (vpmovsxbw),
+// and vpmaddwd multiplies each row's two by x's two and adds them: one int32 lane per output row, exact. A
+// block's 16 pairs sum in int32 (at most 32 x 127 x 127), then take x's scale in float32; the row's own
+// scale comes at the store. Per pair a row of x costs one multiply-add and one add per kLanes rows, and the
+// widening (one instruction) is shared by every row of x in the pass.
+typedef int8_t vb __attribute__((vector_size(2 * kLanes)));   // kLanes rows x a pair of columns
+typedef int16_t vw __attribute__((vector_size(4 * kLanes)));  // the same, sign-extended
+constexpr int64_t kInt8Block = 16;  // pairs of columns per scale of x: 32 columns
+constexpr int64_t kInt8Rows = 4;    // rows of x a pass holds: their sums of a tile in registers, no float sums
+// Vectors of output rows a pass holds: a whole group for one row, else MR x T int32 sums, T pairs of weights
+// and x's word within the registers (AVX2: 4 x 2 + 2 + 1 of 16; AVX-512: 4 x 4 + 4 + 1 of 32).
+template <int MR>
+constexpr int kInt8Tile = MR == 1 || kLanes == 16 ? kGroup / kLanes : 2;
+
+inline vi pair_dot(vw w, int32_t x) {
+#if defined(__AVX512F__)
+  return (vi)_mm512_madd_epi16((__m512i)w, _mm512_set1_epi32(x));
+#else
+  return (vi)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(x));
+#endif
+}
+
+// out[m][64 rows] (+)= x[m] . a group's slice of packed int8 weights (``wp``: its pair p0, a multiple of
+// kInt8Block), for MR rows of x: ``xw`` their pairs as words (``ldx`` apart), ``xscale`` their blocks' scales
+// (``ldb`` apart). The block's sums go to ``out`` (L1) each block, so only they are held in registers.
+template <int MR>
+inline void int8_slice(const int32_t* xw, int64_t ldx, const float* xscale, int64_t ldb, const int8_t* wp, int64_t p0,
+                       int64_t p1, float* out, bool first) {
+  constexpr int T = kInt8Tile<MR>;
+  for (int64_t tile = 0; tile < kGroup; tile += T * kLanes) {
+    for (int64_t b0 = p0; b0 < p1; b0 += kInt8Block) {
+      vi sums[MR][T] = {};
+      for (int64_t p = b0, b1 = std::min(p1, b0 + kInt8Block); p < b1; ++p) {
+        const int8_t* w = wp + ((p - p0) * kGroup + tile) * 2;
+        for (int j = 0; j < T; ++j) {
+          const vw pair = __builtin_convertvector(load<vb>(w + 2 * kLanes * j), vw);
+          for (int m = 0; m < MR; ++m) sums[m][j] += pair_dot(pair, xw[m * ldx + p]);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const vf scale = splat(xscale[m * ldb + b0 / kInt8Block]);
+        for (int j = 0; j < T; ++j) {
+          float* o = out + m * kGroup + tile + kLanes * j;
+          const vf before = first && b0 == p0 ? vf{} : load<vf>(o);
+          put(o, before + __builtin_convertvector(sums[m][j], vf) * scale);
+        }
+      }
+    }
   }
 }
 

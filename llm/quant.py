@@ -15,14 +15,15 @@ the embeddings and output layer keep it too (``model.Head`` picks float32's gree
   sums (vLLM's and TensorRT-LLM's per-token, per-channel fp8); elsewhere the weights are de-quantized to
   the model's dtype in the step (weight-only: the bytes read are fp8's, the arithmetic 16-bit).
 
-The matmuls, in bfloat16 on any CPU with AVX2 (``llm/kernels.py``'s levels), run our kernels
-(``llm/kernels.cpp``): ``int8_linear`` (the bf16 kernel's packed order, the int8 weights widened exactly in
-registers for a few rows, into L1 once for more) and ``int4_linear`` (Q4_1's own arithmetic, ``d q + m`` with
-d and m in float16 as a GGUF holds them: on AVX512-BF16 the nibbles widened to bfloat16 through a table in
-registers; on AVX-512 and AVX2 multiplied in integers against x quantized per 32 columns to int8, as
-llama.cpp's Q4_1 x Q8_1 dot product). Elsewhere (float32, ``CPU_KERNELS=none``, CPUs without AVX2) torch's
-``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``, whose int4 scales are in the model's
-dtype. docs/configuration.md has the kernels' measurements.
+The matmuls, on any CPU with AVX2 (``llm/kernels.py``'s levels; x in bfloat16, or float32 where ``dtype: auto``
+keeps float32 activations), run our kernels (``llm/kernels.cpp``): ``int8_linear`` (the bf16 kernel's packed
+order; on AVX512-BF16 the int8 weights widened exactly to bfloat16, in registers for a few rows, into L1 once
+for more; on AVX-512 and AVX2 multiplied in integers against x quantized per 32 columns to int8, as llama.cpp's
+Q8_0 x Q8_0 dot product) and ``int4_linear`` (Q4_1's own arithmetic, ``d q + m`` with d and m in float16 as a
+GGUF holds them: on AVX512-BF16 the nibbles widened to bfloat16 through a table in registers; on AVX-512 and
+AVX2 multiplied in integers against x quantized the same way, as llama.cpp's Q4_1 x Q8_1 dot product).
+Elsewhere (``CPU_KERNELS=none``, CPUs without AVX2) torch's ``aten._weight_int8pack_mm`` and
+``aten._weight_int4pack_mm_for_cpu``, whose int4 scales are in the model's dtype. docs/configuration.md has the kernels' measurements.
 """
 
 from __future__ import annotations

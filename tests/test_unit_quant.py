@@ -52,8 +52,8 @@ def test_int4_groups_map_their_minimum_and_maximum_to_0_and_15():
 def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(cpu_kernels, setting, dtype, rows):
     w, bias = weights().to(dtype), torch.randn(96).to(dtype)
     layer = quant.QuantizedLinear(setting, w, bias, dtype)
-    # int8 and int4 run our kernels at every level (CPU_KERNELS=none: torch's), x in bfloat16 or float32: int8's
-    # in-register path (up to 2 or 4 rows, by level) and its widened-slice path (more).
+    # int8 and int4 run our kernels at every level (CPU_KERNELS=none: torch's), x in bfloat16 or float32: on
+    # AVX512-BF16 int8's in-register path (up to 4 rows) and its widened-slice path (more).
     assert layer.ours == (setting in ("int8", "int4") and cpu_kernels != "none")
     if setting == "int8":
         q, scale = quant.int8_weights(w)
@@ -71,13 +71,26 @@ def test_a_quantized_layer_is_f_linear_over_the_weights_it_stands_for(cpu_kernel
         reference = quant.Int4(q, scale.to(dtype).float(), zero.to(dtype).float()).dequantize()
     x = torch.randn(rows, 128).to(dtype)
     expected = F.linear(x.float(), reference, bias.float())
-    # float32 x: exact but for the sums' order where the level widens it (int4: quantized to int8 per block, as
-    # llama.cpp's Q8_1; the AVX512-BF16 level rounds it to bfloat16, which it multiplies).
-    exact = dtype == torch.float32 and not (layer.ours and (setting == "int4" or kernels.level == "avx512bf16"))
+    # float32 x: exact but for the sums' order where the level widens it (AVX-512 and AVX2 quantize it per block
+    # to int8 for int8 and int4, as llama.cpp's Q8 activations; AVX512-BF16 rounds it to bfloat16, which it
+    # multiplies).
+    exact = dtype == torch.float32 and not layer.ours
     tolerance = 1e-4 if exact else 0.05
     out = layer(x)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=tolerance * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("k", [75, 130])
+def test_int8_on_our_kernels_takes_an_odd_k_and_a_short_last_block_of_x(level, k):
+    """AVX-512 and AVX2 quantize x per 32 columns: a last block of 11 or 2 columns gets its own scale, and
+    the column past an odd K is zero, as the packed weights' is."""
+    w = weights(n=70, k=k)
+    layer = quant.QuantizedLinear("int8", w, None, torch.float32)
+    q, scale = quant.int8_weights(w)
+    x = torch.randn(5, k)
+    expected = F.linear(x, q.float() * scale[:, None])
+    torch.testing.assert_close(layer(x), expected, atol=0.02 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("setting", ["bf16", "int8", "int4"])
