@@ -39,7 +39,7 @@ def _running_since(pid: int) -> str | None:
     yet reaped (a container whose init does not reap leaves them for good), has exited; the start time
     tells a process from a later one given the same pid."""
     fields = stubs.stat(pid)
-    return fields[19] if fields and fields[0] not in ("Z", "X") else None
+    return fields[stubs.START_TIME] if fields and fields[0] not in ("Z", "X") else None
 
 
 def begin(server_pid: int, seconds: float) -> Notice:

@@ -47,8 +47,11 @@ def dead_models(models: Iterable[str], is_ready: Callable[[str], bool], server_p
     return ready - set(stubs(server_pid)) if ready else set()
 
 
+START_TIME = 19  # the index in ``stat``'s fields of the start time, which tells a process from a later one with its pid
+
+
 def stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after "(comm)" (the state first, the start time 20th), or None once
+    """The fields of /proc/PID/stat after "(comm)" (the state first, the start time at START_TIME), or None once
     the process was reaped (or never was)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -81,12 +84,12 @@ class DeathWatch:
     def look(self) -> set[str]:
         """The models that lost a stub since the look before last; call it every second or so."""
         running = stubs(self.server_pid)
-        for model in self.models:
-            for pid in running.get(model, ()):
-                if pid not in self.alive and (fields := stat(pid)):
-                    self.alive[pid] = (model, fields[19])
-        gone = {pid: stat(pid) for pid in set(self.alive) - {p for m in self.models for p in running.get(m, ())}}
-        reaped = {pid for pid, fields in gone.items() if fields is None or fields[19] != self.alive[pid][1]}
+        live = {pid: model for model in self.models for pid in running.get(model, ())}
+        for pid, model in live.items():
+            if pid not in self.alive and (fields := stat(pid)):
+                self.alive[pid] = (model, fields[START_TIME])
+        gone = {pid: stat(pid) for pid in set(self.alive) - set(live)}
+        reaped = {pid for pid, fields in gone.items() if fields is None or fields[START_TIME] != self.alive[pid][1]}
         zombie = {pid for pid, fields in gone.items() if pid not in reaped and fields[0] == "Z"}
         dead, self.suspects = zombie & self.suspects, zombie - self.suspects
         died = {self.alive[pid][0] for pid in dead}

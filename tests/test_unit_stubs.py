@@ -63,7 +63,7 @@ def test_a_stub_killed_before_the_first_periodic_look_is_reported(fake_stubs):
 
 def test_a_stub_whose_exit_is_under_way_is_still_reported(fake_stubs):
     """A killed stub leaves ``stubs`` at once but turns zombie only once its memory is freed (a third of a
-    second for 3 GiB): a look in between must not forget it (CI's fault test lost an OpenAI request so)."""
+    second for 3 GiB): a look in between must not take it for a normal exit and forget it."""
     watch = DeathWatch(["llm"], os.getpid())
     victim = start(fake_stubs, "llm")
     assert watch.look() == set()
