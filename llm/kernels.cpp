@@ -129,6 +129,33 @@ void store(Out* y, int64_t ldy, const float* out, int64_t M, int64_t rows, const
       y[m * ldy + r] = Out(out[m * kGroup + r] * (scale ? scale[r] : 1.0f) + (bias ? bias[r] : 0.0f));
 }
 
+// Group g's sums (``out``: y's M rows x kGroup) into y [M, N] in its dtype, each output row times its scale
+// plus its bias (``scale``, ``bias``: N each, or null).
+void store_group(const at::Tensor& y, int64_t g, const float* out, const float* scale, const float* bias) {
+  const int64_t M = y.size(0), N = y.size(1), n0 = g * kGroup, rows = std::min(kGroup, N - n0);
+  const float *sg = scale ? scale + n0 : nullptr, *bg = bias ? bias + n0 : nullptr;
+  if (y.scalar_type() == at::kFloat)
+    store(y.mutable_data_ptr<float>() + n0, N, out, M, rows, sg, bg);
+  else
+    store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out, M, rows, sg, bg);
+}
+
+void check_x(const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), name,
+              ": x is bfloat16 or float32 [M, K]");
+}
+
+// The weights of a linear packed by pack<W> (``type``: theirs) for x's K, and float32 scales and bias of N.
+void check_packed(const char* name, const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t N,
+                  const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == type && packed.dim() == 4 && packed.size(2) == kGroup &&
+                  packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kGroup >= N && packed.is_contiguous(),
+              name, ": the weight must come from its pack, K = x.size(1)");
+  for (const auto* v : {&scale, &bias})
+    TORCH_CHECK(!*v || ((*v)->scalar_type() == at::kFloat && (*v)->is_contiguous() && (*v)->numel() == N), name,
+                ": float32 scales and bias of N");
+}
+
 // ``n`` (at most 32) values of x as int8, as llama.cpp's Q8 activations: q = round(v / scale), scale = the
 // largest magnitude / 127, which it returns. Rounded to nearest even by adding 1.5 x 2^23 (llama.cpp's
 // nearest_int: std::nearbyint's result, in a form the compiler vectorizes; a scalar loop of nearbyint took
@@ -159,18 +186,11 @@ template <typename W>
 at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& bias, bool float32) {
   constexpr bool int8 = std::is_same_v<W, int8_t>;
-  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat), name,
-              ": x is bfloat16 or float32 [M, K]");
+  check_x(name, x_);
   float32 = float32 || x_.scalar_type() == at::kFloat;
   const at::Tensor x = level_x(x_);
   const bool floats = x.scalar_type() == at::kFloat;
-  TORCH_CHECK(packed.scalar_type() == (int8 ? at::kChar : at::kBFloat16) && packed.dim() == 4 &&
-                  packed.size(2) == kGroup && packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kGroup >= N &&
-                  packed.is_contiguous(),
-              name, ": the weight must come from its pack, K = x.size(1)");
-  for (const auto* v : {&scale, &bias})
-    TORCH_CHECK(!*v || ((*v)->scalar_type() == at::kFloat && (*v)->is_contiguous() && (*v)->numel() == N), name,
-                ": float32 scales and bias of N");
+  check_packed(name, x, packed, int8 ? at::kChar : at::kBFloat16, N, scale, bias);
   const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), groups = packed.size(0);
   // x's rows contiguous, padded to an even K with a zero column: pairs of columns (a 32-bit word each in bfloat16).
   at::Tensor xs = x;
@@ -219,12 +239,7 @@ at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& pack
           });
         }
       }
-      const int64_t n0 = g * kGroup, rows_here = std::min(kGroup, N - n0);
-      const float *sg = sp ? sp + n0 : nullptr, *bg = bp ? bp + n0 : nullptr;
-      if (float32)
-        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, rows_here, sg, bg);
-      else
-        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, rows_here, sg, bg);
+      store_group(y, g, out.data(), sp, bp);
     }
   });
   return y;
@@ -249,15 +264,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 #else
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scale, int64_t N,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat),
-              "int8_linear: x is bfloat16 or float32 [M, K]");
+  check_x("int8_linear", x_);
   const at::Tensor x = x_.contiguous();
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kGroup &&
-                  packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kGroup >= N && packed.is_contiguous(),
-              "int8_linear: the weight must come from its pack, K = x.size(1)");
-  for (const std::optional<at::Tensor>& v : {std::optional<at::Tensor>(scale), bias})
-    TORCH_CHECK(!v || (v->scalar_type() == at::kFloat && v->is_contiguous() && v->numel() == N),
-                "int8_linear: float32 scales and bias of N");
+  check_packed("int8_linear", x, packed, at::kChar, N, scale, bias);
   const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), groups = packed.size(0);
   const int64_t blocks = (pairs + kInt8Block - 1) / kInt8Block;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -295,11 +304,7 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at:
                                              p1, out.data() + m * kGroup, p0 == 0);
           });
       }
-      const int64_t n0 = g * kGroup, rows_here = std::min(kGroup, N - n0);
-      if (y.scalar_type() == at::kFloat)
-        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, rows_here, sp + n0, bp ? bp + n0 : nullptr);
-      else
-        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, rows_here, sp + n0, bp ? bp + n0 : nullptr);
+      store_group(y, g, out.data(), sp, bp);
     }
   });
   return y;
@@ -348,8 +353,7 @@ std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& q, const at::Tens
 // y = x @ w.T (+ bias), w the int4 weights int4_pack packed; x bfloat16 or float32, y in x's dtype.
 at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at::Tensor& scales, int64_t N,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kFloat),
-              "int4_linear: x is bfloat16 or float32 [M, K]");
+  check_x("int4_linear", x_);
   const at::Tensor x = level_x(x_).contiguous();
   const bool floats = x.scalar_type() == at::kFloat;
   const int64_t M = x.size(0), K = x.size(1), pairs = K / 2, columns = K / kInt4Columns, groups = nibbles.size(0);
@@ -387,12 +391,7 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t h = 0; h < 2; ++h)
         int4_rows(M, rows_of_x, nib + (g * 2 + h) * pairs * 32, sc + (g * 2 + h) * columns * 64, out.data() + 32 * h);
-      const int64_t n0 = g * kGroup;
-      if (y.scalar_type() == at::kFloat)
-        store(y.mutable_data_ptr<float>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr, bp ? bp + n0 : nullptr);
-      else
-        store(y.mutable_data_ptr<c10::BFloat16>() + n0, N, out.data(), M, std::min(kGroup, N - n0), nullptr,
-              bp ? bp + n0 : nullptr);
+      store_group(y, g, out.data(), nullptr, bp);
     }
   });
   return y;
