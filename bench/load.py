@@ -21,18 +21,33 @@ import tritonclient.grpc.aio as grpcaio
 from bench.workload import Item
 from client import Prompt, build_inputs
 
-Send = Callable[[Item], Awaitable[tuple[int, float]]]  # generated tokens, seconds to the first text
 MODELS = ("ensemble", "ensemble_infer", "preprocess", "llm", "postprocess")
+
+
+@dataclass(frozen=True)
+class Received:
+    """What one request got: its generated tokens, the seconds to its first text, and when each response
+    that carried text came (seconds after the request; empty where the system answers once), for the
+    time between chunks and the tokens a chunk carries: what coalescing trades (issue 45)."""
+
+    tokens: int
+    ttft: float
+    chunks: tuple[float, ...] = ()
+
+
+Send = Callable[[Item], Awaitable[Received]]
 
 
 @dataclass
 class Run:
-    """What one closed-loop run measured: per-request latencies, time to first token and token counts,
-    wall and client CPU."""
+    """What one closed-loop run measured: per-request latencies, time to first token, token and chunk
+    counts, the gaps between a reply's chunks, wall and client CPU."""
 
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
     seconds: float = 0.0
     client_cpu_s: float = 0.0
 
@@ -50,10 +65,12 @@ async def closed_loop(send: Send, items: list[Item], concurrency: int) -> Run:
         while queue:
             item = queue.pop()
             begin = time.perf_counter()
-            tokens, ttft = await send(item)
+            reply = await send(item)
             run.latencies.append(time.perf_counter() - begin)
-            run.ttfts.append(ttft)
-            run.tokens.append(tokens)
+            run.ttfts.append(reply.ttft)
+            run.tokens.append(reply.tokens)
+            run.chunks.append(len(reply.chunks))
+            run.gaps.extend(b - a for a, b in zip(reply.chunks, reply.chunks[1:]))
 
     cpu, wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -67,18 +84,18 @@ def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble
     server that cannot stream sends one event at the end, so its TTFT is its latency). With
     ``first_token_within``, a first event later than that many seconds raises ``TimeoutError``."""
 
-    async def send(item: Item) -> tuple[int, float]:
+    async def send(item: Item) -> Received:
         body = {"text_input": item.text_input, "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos,
                 "stream": True}
         body |= {k: v for k, v in (("temperature", item.temperature), ("top_p", item.top_p), ("seed", item.seed))
                  if v is not None}
         if item.structured_outputs is not None:
             body["structured_outputs"] = json.dumps(item.structured_outputs)
-        begin, first, tokens = time.perf_counter(), None, 0
+        begin, chunks, tokens = time.perf_counter(), [], 0
         async with session.post(f"{url}/v2/models/{model}/generate_stream", json=body) as reply:
             lines = aiter(reply.content)
             while True:
-                wait = None if first or first_token_within is None else first_token_within - (time.perf_counter() - begin)
+                wait = None if chunks or first_token_within is None else first_token_within - (time.perf_counter() - begin)
                 try:
                     line = await asyncio.wait_for(anext(lines), wait)
                 except StopAsyncIteration:
@@ -88,9 +105,10 @@ def http_stream(session: aiohttp.ClientSession, url: str, model: str = "ensemble
                 data = json.loads(line[6:])
                 if "error" in data:
                     raise RuntimeError(f"generate_stream failed: {data['error']}")
-                first = first or time.perf_counter() - begin
+                if data["text_output"] or not chunks:
+                    chunks.append(time.perf_counter() - begin)
                 tokens = data["completion_tokens"]
-        return tokens, first
+        return Received(tokens, chunks[0], tuple(chunks))
 
     return send
 
@@ -99,17 +117,17 @@ def openai_stream(session: aiohttp.ClientSession, url: str, model: str) -> Send:
     """OpenAI's streamed ``/v1/chat/completions`` (llama-server, vLLM): the same prompt as a user turn,
     greedy, ``max_tokens`` and ``ignore_eos`` as ours; tokens counted from the final ``usage``."""
 
-    async def send(item: Item) -> tuple[int, float]:
+    async def send(item: Item) -> Received:
         body = {"model": model, "messages": [{"role": "user", "content": item.text_input}],
                 "max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos, "temperature": 0.0}
-        begin, first, tokens = time.perf_counter(), None, None
+        begin, chunks, tokens = time.perf_counter(), [], None
         async for data in chat_events(session, url, body):
             if data.get("choices") and data["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter() - begin
+                chunks.append(time.perf_counter() - begin)
             tokens = (data.get("usage") or {}).get("completion_tokens", tokens)
-        if tokens is None:
-            raise RuntimeError("chat completion stream ended without usage")
-        return tokens, first
+        if tokens is None or not chunks:
+            raise RuntimeError("chat completion stream ended without usage or without text")
+        return Received(tokens, chunks[0], tuple(chunks))
 
     return send
 
@@ -137,11 +155,40 @@ def grpc_infer(client: grpcaio.InferenceServerClient) -> Send:
     """KServe ModelInfer on ``ensemble_infer``: one response, so TTFT is the latency."""
     outputs = [grpcclient.InferRequestedOutput("completion_tokens")]
 
-    async def send(item: Item) -> tuple[int, float]:
+    async def send(item: Item) -> Received:
         inputs = build_inputs(grpcclient, Prompt(item.text_input, item.max_tokens, ignore_eos=item.ignore_eos))
         begin = time.perf_counter()
         result = await client.infer("ensemble_infer", inputs, outputs=outputs)
-        return int(result.as_numpy("completion_tokens")[0][0]), time.perf_counter() - begin
+        return Received(int(result.as_numpy("completion_tokens")[0][0]), time.perf_counter() - begin)
+
+    return send
+
+
+def grpc_stream(client: grpcaio.InferenceServerClient) -> Send:
+    """The bidirectional gRPC stream on ``ensemble`` with ``stream: true``, a stream per request (as
+    ``client.ChatClient`` does): a response per chunk, the last with its ``finish_reason``."""
+
+    async def send(item: Item) -> Received:
+        inputs = build_inputs(grpcclient, Prompt(item.text_input, item.max_tokens, ignore_eos=item.ignore_eos),
+                              stream=True)
+
+        async def request():
+            yield {"model_name": "ensemble", "inputs": inputs}
+
+        begin, chunks = time.perf_counter(), []
+        responses = client.stream_infer(request())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise RuntimeError(f"gRPC stream failed: {error}")
+                value = lambda name: result.as_numpy(name)[0][0]  # noqa: E731
+                if value("text_output") or not chunks:
+                    chunks.append(time.perf_counter() - begin)
+                if value("finish_reason"):
+                    return Received(int(value("completion_tokens")), chunks[0], tuple(chunks))
+        finally:
+            responses.cancel()  # the stream stays open after a decoupled model's last response: close it
+        raise RuntimeError("gRPC stream ended without a final response")
 
     return send
 
@@ -149,7 +196,7 @@ def grpc_infer(client: grpcaio.InferenceServerClient) -> Send:
 def http_generate_ids(session: aiohttp.ClientSession, url: str, model: str, ids: dict[str, list[int]]) -> Send:
     """``generate`` with token ids straight to ``llm``, or with the same request's text to ``ensemble``."""
 
-    async def send(item: Item) -> tuple[int, float]:
+    async def send(item: Item) -> Received:
         body = {"max_tokens": item.max_tokens, "ignore_eos": item.ignore_eos}
         body.update({"input_ids": ids[item.text_input]} if model == "llm" else {"text_input": item.text_input})
         begin = time.perf_counter()
@@ -159,7 +206,7 @@ def http_generate_ids(session: aiohttp.ClientSession, url: str, model: str, ids:
                 raise RuntimeError(f"{model} generate failed: {data}")
             out = data.get("output_ids")  # generate gives a lone id as a scalar
             tokens = (len(out) if isinstance(out, list) else 1) if model == "llm" else data["completion_tokens"]
-            return tokens, time.perf_counter() - begin
+            return Received(tokens, time.perf_counter() - begin)
 
     return send
 
@@ -208,4 +255,13 @@ def summary(run: Run) -> dict:
         "ttft_p99_ms": float(np.percentile(ttft, 99)),
         "client_cpu_s": run.client_cpu_s,
         "client_cpu_pct": 100 * run.client_cpu_s / run.seconds,
-    }
+    } | chunking(run)
+
+
+def chunking(run: Run) -> dict:
+    """Tokens per chunk and the time between a reply's chunks (p50, p99), where the system streamed."""
+    if not sum(run.chunks):
+        return {}
+    gaps = np.array(run.gaps or [0.0]) * 1000
+    return {"tokens_per_chunk": sum(run.tokens) / sum(run.chunks), "chunk_gap_p50_ms": float(np.percentile(gaps, 50)),
+            "chunk_gap_p99_ms": float(np.percentile(gaps, 99))}
