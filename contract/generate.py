@@ -30,14 +30,15 @@ def _outputs(fields: tuple[Field, ...]) -> list[Tensor]:
     return [(f, False, False) for f in fields]
 
 
-input_ids, fingerprint, _, reasoning_state = PREPROCESS_OUTPUTS
+input_ids, fingerprint, _, reasoning_state, coalesce = PREPROCESS_OUTPUTS
 # model: its inputs, its outputs, and whether the help text goes beside them (the public interface,
 # documented in ensemble's config, and what each model hands the next)
 MODELS: dict[str, tuple[list[Tensor], list[Tensor], tuple[bool, bool]]] = {
     "ensemble": (_inputs(REQUEST, ragged=False), _outputs(RESPONSE), (True, True)),
     "ensemble_infer": (_inputs(tuple(f for f in REQUEST if f.name != "stream")), _outputs(RESPONSE), (False, False)),
     "preprocess": (_inputs(request_fields("preprocess")), _outputs(PREPROCESS_OUTPUTS), (False, True)),
-    "llm": ([(input_ids, False, True), *_inputs(llm_fields()), (fingerprint, True, False), (reasoning_state, True, False)],
+    "llm": ([(input_ids, False, True), *_inputs(llm_fields()), (fingerprint, True, False), (reasoning_state, True, False),
+             (coalesce, True, False)],
             _outputs(LLM_OUTPUTS), (False, True)),
     "postprocess": ([(f, f.optional, f.ragged) for f in LLM_OUTPUTS], _outputs(RESPONSE), (False, False)),
 }

@@ -214,6 +214,9 @@ PREPROCESS_OUTPUTS = (
           "request field: the request's own, or the grammar of the tool calls it asks for; JSON null when free"),
     Field("reasoning_state", "TYPE_STRING", optional=False, help="where the reply begins, as the response field: "
           "decided here, where the prompt is rendered"),
+    Field("coalesce", "TYPE_BOOL", optional=False, help="true in the ensemble, where postprocess reports each response "
+          "it has finished (ipc/delivery.py): llm then lets a stream's new tokens wait while its previous response is on "
+          "its way, and sends them together; a caller of llm alone leaves it out and gets every token as it comes"),
 )
 
 # llm -> postprocess. ``optional``: postprocess may go without it.
@@ -250,9 +253,9 @@ def request_fields(model: str) -> tuple[Field, ...]:
 
 
 def llm_fields() -> tuple[Field, ...]:
-    """What llm reads besides the prompt's ids, the fingerprint and the reasoning state (which it only
-    hands on to postprocess): its request fields, and from
-    preprocess the structured outputs (the request's, or the tool calls' grammar)."""
+    """What llm reads besides the prompt's ids, the fingerprint, the reasoning state (which it only hands
+    on to postprocess) and ``coalesce`` (which the glue reads): its request fields, and from preprocess the
+    structured outputs (the request's, or the tool calls' grammar)."""
     return request_fields("llm") + PREPROCESS_OUTPUTS[2:3]
 
 

@@ -11,10 +11,14 @@ sending a response, asking whether a client cancelled and updating a metric each
 process, and the next step should not wait for them. The engine thread publishes which sequences
 changed; the responder thread gives each everything new since its last update, so when sending falls
 behind, an update carries several tokens instead of the queue growing, and the final one goes exactly
-once. With a ``stream_interval`` above 1, a streamed request's update waits until it holds that many new
-tokens (its first and its final update never wait), as vLLM's and SGLang's ``--stream-interval``: each
-update costs every hop after the engine (a response, an ensemble step, a postprocess call, an event to the
-client) the same whatever it carries, and on a CPU those hops take their time from the engine's.
+once. Each update costs every hop after the engine (a response, an ensemble step, a postprocess call, an
+event to the client) the same whatever it carries, and on a CPU those hops take their time from the
+engine's. So a streamed request's new tokens go at once only when its previous update has arrived
+(``Deliveries``: postprocess says so, ``ipc/delivery.py``); while it is still on its way they wait and
+join the next one. At low load nothing is on its way when the next token comes, and nothing waits; under
+load an update carries every token made meanwhile, and no timer is involved. With a ``stream_interval``
+above 1, a streamed request's update also waits until it holds that many new tokens (its first and its
+final update never do), as vLLM's and SGLang's ``--stream-interval``.
 The responder also lets the caller poll for cancellations, flushes the engine's metrics and, when
 the server is stopping, ends what is left at the drain deadline and says when nothing is.
 
@@ -26,12 +30,13 @@ and ran on this one took twice as long (57 ms against 30 ms at one row, measured
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from contract.schema import FinishReason
 from llm.engine import Engine
@@ -41,10 +46,33 @@ from llm.sequence import Sequence, TokenLogprobs
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_SECONDS = 0.05  # how often the transport is asked which clients have gone
+ENGINE_THREAD, RESPONDER_THREAD = "llm-engine", "llm-responder"  # the two threads' names, in /proc too
+METRICS_SECONDS = 0.1  # the engine's metrics reach the caller this often at most, and before every final update
+HOLD_POLL_SECONDS = 0.0005  # while a stream's tokens wait for its previous response, how often to look again
+HOLD_LIMIT_SECONDS = 1.0  # the longest they wait: a response lost on its way (a postprocess killed) holds nothing
+
+
+def name_thread(name: str) -> None:
+    """Give the calling OS thread ``name`` (at most 15 bytes), which ``top -H`` and /proc/PID/task/*/comm
+    show and the benchmark reads to split a process's CPU by thread; Python names only its own objects."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is only a convenience
+        pass
 
 
 class Stopping(RuntimeError):
     """The server is stopping and this engine has already handed back everything it held."""
+
+
+class Deliveries(Protocol):
+    """Where each stream's responses are (``ipc/delivery.py``: postprocess says how far it has taken them)."""
+
+    def changed(self) -> bool:
+        """Whether anything was delivered since the last call."""
+
+    def delivered(self, key: Hashable) -> int | None:
+        """The ``completion_tokens`` of request ``key``'s latest update that arrived; None while none has."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +113,9 @@ class _Ticket:
     key: Hashable
     seq: Sequence
     every_token: bool
+    coalesce: bool = False  # its deliveries are reported: new tokens wait while an update is on its way
     given: int = 0  # output ids in updates so far (every update but a final one carries at least one)
+    given_at: float = 0.0  # when the latest update was given (time.monotonic())
 
     def due(self, interval: int) -> bool:
         """Whether a streamed request's new tokens make an update: its first, or ``interval`` of them.
@@ -107,15 +137,18 @@ class EngineLoop:
         draining: Callable[[], DrainDeadline | None] = lambda: None,
         on_drained: Callable[[], None] = lambda: None,
         stream_interval: int = 1,
+        deliveries: Deliveries | None = None,
     ) -> None:
         """``build`` makes the engine (on the engine thread; its error is raised here); ``on_update``
         hands an update to the caller (on the responder thread; raising cancels that request); ``poll`` is
         called there every CANCEL_POLL_SECONDS, for the caller to ``cancel`` requests whose clients have
         gone; ``draining`` says whether the server is stopping, and ``on_drained`` is called once, when it
         is and every request taken has had its final update. A streamed request gets an update every
-        ``stream_interval`` tokens."""
+        ``stream_interval`` tokens; with ``deliveries``, not while its previous one is still on its way
+        (the new tokens join the next one)."""
         self.on_update = on_update
         self.stream_interval = stream_interval
+        self.deliveries = deliveries
         self.poll = poll
         self.on_error = on_error
         self.draining = draining
@@ -127,28 +160,33 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._outbox: dict[Sequence, None] = {}  # changed since the responder last looked, in order
+        self._deferred: dict[Sequence, None] = {}  # the responder's: new tokens, but the previous update is on its way
+        self._deferred_looked = 0.0  # when the responder last looked at every held request
         self._outbox_ready = threading.Condition()
         self._polled = 0.0
+        self._flushed = 0.0  # when the engine's metrics were last handed over (time.monotonic())
         self._built = threading.Event()
         self._build_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(build,), name="llm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(build,), name=ENGINE_THREAD, daemon=True)
         self._thread.start()
         self._built.wait()
         if self._build_error is not None:
             self._thread.join()
             raise self._build_error
-        self._responder = threading.Thread(target=self._respond_loop, name="llm-responder", daemon=True)
+        self._responder = threading.Thread(target=self._respond_loop, name=RESPONDER_THREAD, daemon=True)
         self._responder.start()
 
-    def submit(self, request: GenerationRequest, key: Hashable, every_token: bool = False) -> None:
-        """Start generating ``request``; its updates carry ``key``: every new token when ``every_token``,
-        else only the end. Raises ``Overloaded`` when the engine is full, ``Stopping`` once drained, and
-        ``InvalidInput`` for a grammar this model cannot follow (built here, on the caller's thread)."""
+    def submit(self, request: GenerationRequest, key: Hashable, every_token: bool = False, coalesce: bool = False) -> None:
+        """Start generating ``request``; its updates carry ``key``: every new token when ``every_token``
+        (with ``coalesce``, those made while its previous update is on its way, as ``deliveries`` reports,
+        together in the next), else only the end. Raises ``Overloaded`` when the engine is full,
+        ``Stopping`` once drained, and ``InvalidInput`` for a grammar this model cannot follow (built here,
+        on the caller's thread)."""
         seq = Sequence(request)
         with self._held_lock:
             if self._drained:
                 raise Stopping()
-            self._tickets[seq] = _Ticket(key, seq, every_token)
+            self._tickets[seq] = _Ticket(key, seq, every_token, coalesce and self.deliveries is not None)
             self._keys[key] = seq
         try:
             self.engine.add(seq)
@@ -183,6 +221,7 @@ class EngineLoop:
         self._send_outbox()
 
     def _run(self, build: Callable[[], Engine]) -> None:
+        name_thread(ENGINE_THREAD)
         try:
             self.engine = build()
         except BaseException as e:  # raised again on the caller's thread: the model fails to load, and says why
@@ -230,24 +269,60 @@ class EngineLoop:
                 self._outbox_ready.notify()
 
     def _respond_loop(self) -> None:
+        name_thread(RESPONDER_THREAD)
         while True:
             with self._outbox_ready:
                 if not self._outbox and not self._stopping:
-                    self._outbox_ready.wait(CANCEL_POLL_SECONDS)
+                    self._outbox_ready.wait(HOLD_POLL_SECONDS if self._deferred else CANCEL_POLL_SECONDS)
                 if self._stopping and not self._outbox:
                     return
             self._send_outbox()
+            if time.monotonic() - self._flushed >= METRICS_SECONDS:
+                self._flush_metrics()
             self._poll()
 
-    def _send_outbox(self) -> None:
+    def _flush_metrics(self) -> None:
+        """Hand the engine's metrics over: every update of a Triton metric is a round trip to the server,
+        so not with every token, but every METRICS_SECONDS and before a final update (a client that reads
+        the metrics after its reply sees its steps)."""
+        self._flushed = time.monotonic()
+        self.engine.metrics.flush()
+
+    def _defer(self, ticket: _Ticket, now: float) -> bool:
+        """Whether ``ticket``'s new tokens wait for the next update: its previous one is on its way (as
+        ``deliveries`` sees it), and not for long. Its first update never waits, nor anything once stopping."""
+        if not ticket.coalesce or ticket.given == 0 or self._stopping or now - ticket.given_at > HOLD_LIMIT_SECONDS:
+            return False
+        return (self.deliveries.delivered(ticket.key) or 0) < ticket.given
+
+    def _due(self) -> list[Sequence]:
+        """The sequences to look at now: those the engine changed, and the deferred ones when something was
+        delivered (or, every tenth of HOLD_LIMIT_SECONDS, to let out one whose update was lost)."""
         with self._outbox_ready:
-            seqs, self._outbox = list(self._outbox), {}
-        self.engine.metrics.flush()  # before the updates: a client that reads metrics after one sees its step
-        for seq in seqs:
+            changed, self._outbox = self._outbox, {}
+        if not self._deferred:
+            return list(changed)
+        now = time.monotonic()
+        if self.deliveries.changed() or now - self._deferred_looked > HOLD_LIMIT_SECONDS / 10 or self._stopping:
+            self._deferred_looked = now
+            deferred, self._deferred = self._deferred, {}
+            return list(deferred) + [seq for seq in changed if seq not in deferred]
+        return [seq for seq in changed if seq not in self._deferred]
+
+    def _send_outbox(self) -> None:
+        now = time.monotonic()
+        updates = []
+        for seq in self._due():
             ticket = self._tickets.get(seq)
-            update = None if ticket is None else _update(ticket)
-            if update is None:
+            if ticket is not None and self._defer(ticket, now):
+                self._deferred[seq] = None
                 continue
+            update = None if ticket is None else _update(ticket)
+            if update is not None:
+                updates.append((seq, ticket, update))
+        if any(update.finish_reason is not None for _, _, update in updates):
+            self._flush_metrics()
+        for seq, ticket, update in updates:
             try:
                 self.on_update(update)
             except Exception as e:  # a sender that fails (its client gone) must not stop the others
@@ -255,7 +330,7 @@ class EngineLoop:
                 if update.finish_reason is None:  # end it; a final update that failed has nothing left to say
                     self.engine.cancel(seq)
                     continue
-            ticket.given = update.completion_tokens
+            ticket.given, ticket.given_at = update.completion_tokens, now
             if update.finish_reason is not None:
                 self._forget(seq)
 

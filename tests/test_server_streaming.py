@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,8 @@ import pytest
 import requests
 
 from client import ChatClient, Prompt
+from ipc import delivery
+from ipc.stubs import stubs
 
 STORY = "Tell me a short story about a lighthouse keeper."
 
@@ -95,6 +98,53 @@ def test_a_cancelled_stream_stops_generating_and_frees_its_row(http_client, grpc
     time.sleep(2)
     assert llm_metric("llm_requests_running") == 0
     assert llm_metric("llm_generation_tokens_total") == settled  # nothing generates for the gone client
+
+
+def marks(server) -> int:
+    """How many responses postprocess has reported to llm's delivery board (ipc/delivery.py: word 0)."""
+    [pid] = stubs(server.process.pid)["llm"]
+    return struct.unpack("<Q", (delivery.BOARDS / str(pid)).read_bytes()[:8])[0]
+
+
+def test_coalesced_streams_stay_whole_and_in_order_under_load(server, http_client, llm_metric):
+    """Coalescing (a stream's tokens wait while its previous response is on its way, llm/service.py):
+    with many streams at once over both protocols, a slow reader and a cancelled one, every stream's
+    chunks count up and add up to the same request's whole reply, and each response the ensemble
+    streamed was reported to llm by postprocess, which is what its coalescing waits on."""
+    prompts = [Prompt(f"{STORY} Chapter {n}.", 40, ignore_eos=True) for n in range(12)]
+    before = marks(server)
+
+    def stream(n: int) -> list:
+        protocol = "grpc" if n % 2 else "http"
+        with ChatClient(f"127.0.0.1:{server.ports.http if protocol == 'http' else server.ports.grpc}", protocol) as client:
+            chunks = []
+            for chunk in client.stream(prompts[n]):
+                chunks.append(chunk)
+                if n == 0:
+                    time.sleep(0.05)  # a slow reader
+            return chunks
+
+    def cancelled() -> None:
+        with ChatClient(f"127.0.0.1:{server.ports.http}", "http") as client:
+            stream = client.stream(Prompt(STORY, 400, ignore_eos=True))
+            for _ in range(3):
+                next(stream)
+            stream.close()
+
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        gone = pool.submit(cancelled)
+        streams = list(pool.map(stream, range(len(prompts))))
+        gone.result()
+    streamed = marks(server) - before
+    for prompt, chunks in zip(prompts, streams):
+        counts = [c.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 40 and chunks[-1].finish_reason == "length", counts
+        assert "".join(c.text_output for c in chunks) == http_client.generate(prompt).text_output
+    assert streamed >= sum(len(chunks) for chunks in streams) + 3
+    deadline = time.monotonic() + 30
+    while llm_metric("llm_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert llm_metric("llm_requests_running") == 0  # the cancelled one's row is free
 
 
 def test_a_request_arriving_mid_generation_finishes_before_the_long_one(http_client, generate):

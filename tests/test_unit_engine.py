@@ -404,10 +404,13 @@ def test_prompt_logprobs_are_the_models_own_and_meet_the_generated_tokens(model,
 # The engine's port (llm/service.py): what Triton's glue and the static baseline both talk to.
 
 
-def port_run(llm: LLM, submit, requests: int, slow: float = 0.0, stream_interval: int = 1) -> dict:
+def port_run(llm: LLM, submit, requests: int, slow: float = 0.0, stream_interval: int = 1, deliveries=None,
+             on_update=lambda update: None) -> dict:
     """An EngineLoop on ``llm``: ``submit(loop)`` submits ``requests`` requests; their updates, by key,
-    once each had its final one. Each step takes ``slow`` seconds more, so a test can act mid-request."""
+    once each had its final one. Each step takes ``slow`` seconds more, so a test can act mid-request;
+    ``on_update`` sees each update as it is given."""
     updates, ended = {}, threading.Semaphore(0)
+    given = on_update
 
     def build():
         engine = llm.engine()
@@ -417,10 +420,11 @@ def port_run(llm: LLM, submit, requests: int, slow: float = 0.0, stream_interval
 
     def on_update(update):
         updates.setdefault(update.key, []).append(update)
+        given(update)
         if update.finish_reason is not None:
             ended.release()
 
-    loop = EngineLoop(build, on_update, stream_interval=stream_interval)
+    loop = EngineLoop(build, on_update, stream_interval=stream_interval, deliveries=deliveries)
     try:
         submit(loop)
         assert all(ended.acquire(timeout=60) for _ in range(requests))
@@ -456,6 +460,59 @@ def test_the_port_streams_interval_tokens_at_a_time_after_the_first(llm, interva
     assert [i for u in streamed for i in u.ids[u.sent_tokens:]] == run(llm.engine(), [Sequence(request)])[0].output_ids
     assert all(len(u.logprobs) == len(u.ids) for u in streamed)
     assert len(updates["whole"]) == 1
+
+
+class LaggingDeliveries:
+    """A transport that takes ``lag`` seconds to deliver each update and says so, as postprocess does
+    through ``ipc/delivery.py``."""
+
+    def __init__(self, lag: float) -> None:
+        self.lag = lag
+        self.given: dict[str, int] = {}
+        self.done: dict[str, int] = {}
+        self.count = self.seen = 0
+        self.on_the_way: dict[str, list[int]] = {}  # per key, at each update after the first: tokens not yet delivered
+
+    def give(self, update) -> None:
+        key = update.key
+        if key in self.given:
+            self.on_the_way.setdefault(key, []).append(self.given[key] - self.done.get(key, 0))
+        self.given[key] = update.completion_tokens
+        threading.Timer(self.lag, self._deliver, (key, update.completion_tokens)).start()
+
+    def _deliver(self, key: str, tokens: int) -> None:
+        self.done[key] = max(self.done.get(key, 0), tokens)
+        self.count += 1
+
+    def changed(self) -> bool:
+        changed, self.seen = self.count != self.seen, self.count
+        return changed
+
+    def delivered(self, key: str) -> int | None:
+        return self.done.get(key)
+
+
+def test_the_port_sends_new_tokens_once_the_previous_update_arrived_and_in_order(llm):
+    """Coalescing (issue 45): a streamed request's tokens wait while its previous update is on its way and
+    join the next, so updates carry several tokens, never overtake one another and add up to the reply;
+    the first goes at once, and a request that does not ask (llm called alone) gets every token as it comes."""
+    request = llm.validate(PROMPTS[1], 16, ignore_eos=True, logprobs=True)
+    deliveries = LaggingDeliveries(lag=0.1)
+
+    def submit(loop):
+        loop.submit(request, "coalesced", every_token=True, coalesce=True)
+        loop.submit(request, "direct", every_token=True)
+
+    updates = port_run(llm, submit, 2, slow=0.005, deliveries=deliveries, on_update=deliveries.give)
+    expected = run(llm.engine(), [Sequence(request)])[0].output_ids
+    for key in ("coalesced", "direct"):
+        assert [i for u in updates[key] for i in u.ids[u.sent_tokens:]] == expected, key
+        assert all(len(u.logprobs) == len(u.ids) for u in updates[key])
+        assert updates[key][0].first and updates[key][0].completion_tokens == 1 and updates[key][-1].completion_tokens == 16
+    # After the first, no update was given while another was on its way.
+    assert set(deliveries.on_the_way["coalesced"]) == {0}, deliveries.on_the_way
+    assert len(updates["coalesced"]) < 16 // 2  # a 100 ms trip against steps of 5 ms and more: several tokens an update
+    assert len(updates["direct"]) > len(updates["coalesced"])  # its updates never wait
 
 
 def test_the_port_gives_a_final_only_request_one_update_and_cancels_by_key(llm):

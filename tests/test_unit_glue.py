@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import Letters
+from ipc import delivery
 from launcher.paths import MODEL_REPOSITORY
 from llm import LLM, LLMConfig
 from llm.service import EngineLoop
@@ -37,7 +39,10 @@ class TritonError(Exception):
 
 class Tensor:
     def __init__(self, name: str, array: np.ndarray) -> None:
-        self.name, self.array = name, array
+        self._name, self.array = name, array
+
+    def name(self) -> str:
+        return self._name
 
     def as_numpy(self) -> np.ndarray:
         return self.array
@@ -45,7 +50,7 @@ class Tensor:
 
 class InferenceResponse:
     def __init__(self, output_tensors: list, error: TritonError | None = None) -> None:
-        self.outputs = {t.name: t.array for t in output_tensors}
+        self.outputs = {t.name(): t.array for t in output_tensors}
         self.error = error
 
 
@@ -77,6 +82,12 @@ class Request(dict):
 
     def get_response_sender(self) -> Sender:
         return self.sender
+
+    def inputs(self) -> list[Tensor]:
+        return list(self.values())
+
+    def is_cancelled(self) -> bool:
+        return False
 
 
 class Counter:
@@ -120,8 +131,14 @@ def load_model(monkeypatch):
 
 
 @pytest.fixture
-def llm_model(load_model):
-    """The llm glue around a tiny random model, initialised by hand (no metrics, no files)."""
+def boards(tmp_path, monkeypatch):
+    monkeypatch.setattr(delivery, "BOARDS", tmp_path / "boards")
+
+
+@pytest.fixture
+def llm_model(load_model, boards):
+    """The llm glue around a tiny random model, initialised by hand (no metrics; its delivery board in a
+    temporary folder)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0)
@@ -131,6 +148,7 @@ def llm_model(load_model):
     model.ids = (f"1-{n}" for n in itertools.count())
     model.fingerprint = np.array([[b"f"]], dtype=np.object_)
     model.pending = {}
+    model.board = delivery.Board()
     model.loop = EngineLoop(model.llm.engine, model._respond, model._poll, print)
     yield model
     model.finalize()
@@ -188,6 +206,32 @@ def model_config(model: str) -> str:
     """The config as Triton hands it to ``initialize``: JSON with the proto's field names."""
     config = text_format.Parse((MODEL_REPOSITORY / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     return json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True))
+
+
+def test_postprocess_reports_each_response_it_finished_to_the_llm_that_sent_it(load_model, model_dir, boards,
+                                                                               monkeypatch):
+    """The delivery board (ipc/delivery.py): llm's coalescing waits on these marks, so every response of a
+    stream is marked, a refused one too; a response without a generation id (a caller of postprocess
+    alone) marks nothing."""
+    monkeypatch.setenv("MODEL_DIR", str(model_dir))
+    model = load_model("postprocess")
+    model.initialize({"model_config": model_config("postprocess")})
+    board = delivery.Board()
+
+    def response(n: int, ids: list[int], tokens: int, fingerprint: str | None = None) -> Request:
+        fields = {"output_ids": np.array([ids], dtype=np.int32), "sent_tokens": np.array([[0]], dtype=np.int32),
+                  "completion_tokens": np.array([[tokens]], dtype=np.int32),
+                  "tokenizer_fingerprint": np.array([[(fingerprint or model.detokenizer.fingerprint).encode()]], dtype=np.object_)}
+        if n >= 0:
+            fields["generation_id"] = np.array([[f"{os.getpid()}-{n}".encode()]], dtype=np.object_)
+        return Request(**{name: Tensor(name, value) for name, value in fields.items()})
+
+    try:
+        answered = model.execute([response(1, [42, 43], 2), response(2, [44], 1, fingerprint="another"), response(-1, [45], 7)])
+        assert [a.error is None for a in answered] == [True, True, True]  # the refused one mid-stream goes to llm's board
+        assert [board.delivered(f"{os.getpid()}-{n}") for n in (1, 2, 7)] == [2, 1, None]
+    finally:
+        board.close()
 
 
 def test_preprocess_answers_the_good_requests_of_a_batch_with_bad_ones(load_model, model_dir, monkeypatch):

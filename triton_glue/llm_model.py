@@ -15,10 +15,11 @@ from contract.errors import CANCELLED, INTERNAL_ERROR, OVERLOADED, STOPPING, UNA
 from contract.schema import FinishReason, llm_fields
 from llm import LLM, LLMConfig, configure_threads
 from llm.compiles import COMPILATIONS, Progress
+from llm.engine import Engine
 from llm.request import GenerationRequest
 from llm.scheduler import Overloaded
 from llm.service import DrainDeadline, EngineLoop, Stopping, Update
-from ipc import cancel, drain_notice
+from ipc import cancel, delivery, drain_notice
 from triton_glue.metrics import TritonMetrics
 from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar, single
@@ -93,7 +94,7 @@ class TritonPythonModel:
                 threads = configure_threads(instances, device)
                 progress.phase(f"loading {config.model_dir} on {device}")
                 self.llm = LLM(config, device)
-                engine = self.llm.engine(metrics, progress)
+                engine = self.engine(metrics, progress)
             except BaseException:
                 progress.close("failed")
                 raise
@@ -114,25 +115,32 @@ class TritonPythonModel:
 
         self.server_pid = os.getppid()  # the tritonserver that started this stub
         cancel.sweep()
+        delivery.sweep()
+        self.board = delivery.Board()
         self.pending: dict[str, Pending] = {}  # by generation id: "<pid>-<n>", unique on the host
         self.ids = (f"{os.getpid()}-{n}" for n in itertools.count())
         self.loop = EngineLoop(build, self._respond, self._poll, pb_utils.Logger.log_error, self._draining, self._drained,
-                               config.stream_interval)
+                               config.stream_interval, self.board)
         self.fingerprint = np.array([[self.llm.fingerprint.encode()]], dtype=np.object_)
+
+    def engine(self, metrics: TritonMetrics, progress: Progress) -> Engine:
+        """The engine this instance serves, on the engine thread: the model's (the benchmark's stand-in,
+        bench/standin_model.py, serves another)."""
+        return self.llm.engine(metrics, progress)
 
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
                 generation, every_token = self._validate(request), bool(scalar(request, "stream"))
-                state = scalar(request, "reasoning_state") or b""
+                state, coalesce = scalar(request, "reasoning_state") or b"", bool(scalar(request, "coalesce"))
             except InvalidInput as e:
                 sender.send(error_response(e), flags=FINAL)
                 continue
             key = next(self.ids)
             self.pending[key] = Pending(sender, generation, np.array([[state]], dtype=np.object_))
             try:
-                self.loop.submit(generation, key, every_token)
+                self.loop.submit(generation, key, every_token, coalesce)
             except InvalidInput as e:
                 del self.pending[key]
                 sender.send(error_response(e), flags=FINAL)
@@ -207,3 +215,4 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.loop.stop()
+        self.board.close()

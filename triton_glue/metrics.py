@@ -73,6 +73,7 @@ class TritonMetrics(EngineMetrics):
         self._first: list[float] = []
         self._later: list[float] = []
         self._gauges: tuple[int, int, int, int] | None = None
+        self._published: tuple[int, int, int, int] | None = None  # the gauges as last set
         self._compiled = 0  # COMPILATIONS.count as last published
 
     def loaded(self, cuda_graphs: int, weight_bytes: int) -> None:
@@ -125,7 +126,10 @@ class TritonMetrics(EngineMetrics):
         for histogram, values in ((self.ttft, first), (self.tpot, later)):
             for seconds in values:
                 histogram.observe(seconds)
-        if gauges is not None:
-            for gauge, value in zip((self.running, self.waiting, self.kv_tokens, self.prefix_blocks), gauges):
-                gauge.set(value)
+        if gauges is not None:  # only the values that moved: each set is a round trip too
+            for gauge, value, old in zip((self.running, self.waiting, self.kv_tokens, self.prefix_blocks), gauges,
+                                         self._published or (None,) * 4):
+                if value != old:
+                    gauge.set(value)
+            self._published = gauges
         self._publish_compilations()

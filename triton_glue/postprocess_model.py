@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from contract.errors import CANCELLED, InvalidInput, decode_utf8
 from postprocess import LLMResponse, Detokenizer, PostprocessConfig
-from ipc import cancel
+from ipc import cancel, delivery
 from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar, single
 
@@ -37,12 +37,24 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = read_parameters(json.loads(args["model_config"]), PostprocessConfig)
         self.detokenizer = Detokenizer(config)
+        self.marker = delivery.Marker()
         pb_utils.Logger.log_info(
             f"postprocess: tokenizer {config.tokenizer_dir} (vocab fingerprint {self.detokenizer.fingerprint})"
         )
 
     def execute(self, requests: list) -> list:
-        return [self._respond(request) for request in requests]
+        responses = [self._respond(request) for request in requests]
+        for request in requests:  # llm sends a stream's next tokens once its last response is through here
+            self._delivered(request)
+        return responses
+
+    def _delivered(self, request) -> None:
+        try:
+            generation_id, tokens = scalar(request, "generation_id"), scalar(request, "completion_tokens")
+        except InvalidInput:
+            return
+        if generation_id is not None and tokens is not None:
+            self.marker.mark(generation_id.decode("utf-8", "replace"), int(tokens))
 
     def _respond(self, request) -> "pb_utils.InferenceResponse":
         try:

@@ -13,6 +13,7 @@ from triton_glue.params import read_parameters
 from triton_glue.tensors import error_response, failure, response, scalar
 
 
+COALESCE = np.array([[True]])  # in the ensemble, postprocess reports each response to llm (ipc/delivery.py)
 TEXTS = ("text_input", "system_prompt", "messages", "structured_outputs", "tools", "tool_choice", "chat_template_kwargs")  # raw bytes, as sent
 
 
@@ -45,4 +46,5 @@ class TritonPythonModel:
             return error_response(e)
         return response(input_ids=np.array([prepared.input_ids], dtype=np.int32), tokenizer_fingerprint=self.fingerprint,
                         structured_outputs=np.array([[prepared.structured_outputs]], dtype=np.object_),
-                        reasoning_state=np.array([[prepared.reasoning_state.encode()]], dtype=np.object_))
+                        reasoning_state=np.array([[prepared.reasoning_state.encode()]], dtype=np.object_),
+                        coalesce=COALESCE)
