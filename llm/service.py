@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 CANCEL_POLL_SECONDS = 0.05  # how often the transport is asked which clients have gone
 ENGINE_THREAD, RESPONDER_THREAD = "llm-engine", "llm-responder"  # the two threads' names, in /proc too
-METRICS_SECONDS = 0.1  # the engine's metrics reach the caller this often at most, and before every final update
+METRICS_SECONDS = 0.1  # the engine's metrics reach the caller this often, and before each first and final update
 HOLD_POLL_SECONDS = 0.0005  # while a stream's tokens wait for its previous response, how often to look again
 HOLD_LIMIT_SECONDS = 1.0  # the longest they wait: a response lost on its way (a postprocess killed) holds nothing
 
@@ -161,7 +161,7 @@ class EngineLoop:
         self._stopping = False
         self._outbox: dict[Sequence, None] = {}  # changed since the responder last looked, in order
         self._deferred: dict[Sequence, None] = {}  # the responder's: new tokens, but the previous update is on its way
-        self._deferred_looked = 0.0  # when the responder last looked at every held request
+        self._deferred_looked = 0.0  # when the responder last looked at every deferred request
         self._outbox_ready = threading.Condition()
         self._polled = 0.0
         self._flushed = 0.0  # when the engine's metrics were last handed over (time.monotonic())
@@ -283,8 +283,9 @@ class EngineLoop:
 
     def _flush_metrics(self) -> None:
         """Hand the engine's metrics over: every update of a Triton metric is a round trip to the server,
-        so not with every token, but every METRICS_SECONDS and before a final update (a client that reads
-        the metrics after its reply sees its steps)."""
+        so not with every token, but every METRICS_SECONDS and before a request's first and final updates
+        (a client that reads the metrics after its first token sees its request running, after its reply
+        every step it took)."""
         self._flushed = time.monotonic()
         self.engine.metrics.flush()
 
@@ -320,7 +321,7 @@ class EngineLoop:
             update = None if ticket is None else _update(ticket)
             if update is not None:
                 updates.append((seq, ticket, update))
-        if any(update.finish_reason is not None for _, _, update in updates):
+        if any(update.first or update.finish_reason is not None for _, _, update in updates):
             self._flush_metrics()
         for seq, ticket, update in updates:
             try:

@@ -268,3 +268,19 @@ def test_the_memory_tables_bytes_are_what_a_loaded_model_reads(setting, model_di
         pytest.skip("the table is for CPUs that compute bfloat16 (our kernels)")
     llm = LLM(LLMConfig(str(model_dir), weights=setting, compile=False), torch.device("cpu"))
     assert llm.weight_bytes == footprint(SHAPES["SmolLM2-135M-Instruct (the default model)"], setting)["read"]
+
+
+def test_the_ceiling_streams_each_protocol_through_the_stand_in_and_counts_each_hop(tmp_path, model_dir):
+    """bench.serving's ceiling on a real server: the shipped pipeline around the stand-in llm (no model)
+    answers every protocol with whole replies, and each hop's CPU is counted (llm's engine thread apart)."""
+    from bench.serving import ceiling, ceiling_table
+
+    points = ceiling(model_dir, (1, 4), 1.0, tmp_path)
+    protocols = ("generate_stream", "grpc_stream", "openai_sse")
+    assert [(p["protocol"], p["concurrency"]) for p in points] == [(name, c) for name in protocols for c in (1, 4)]
+    for p in points:
+        assert p["output_tokens"] == 64 * p["requests"] and p["tokens_per_chunk"] >= 1, p
+        cpu = p["cpu_ms_per_token"]
+        assert min(cpu["llm engine"], cpu["llm"], cpu["postprocess"], cpu["tritonserver"]) > 0, cpu
+        assert cpu["openai front end"] > 0 or p["protocol"] != "openai_sse", cpu
+    assert ceiling_table(points).count("\n") == 1 + len(points)

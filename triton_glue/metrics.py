@@ -2,7 +2,8 @@
 
 Prometheus names with units. Importable only inside a Python stub. Every update of a Triton metric is a
 round trip to the server process, so the engine's calls only record (it makes them in its decode loop),
-and ``flush`` hands the records over from the responder thread, before the answers they describe.
+and ``flush`` hands the records over from the responder thread: every 0.1 s, and before a request's first
+and final answers (``llm/service.py``), gauges only when they moved.
 """
 
 from __future__ import annotations
