@@ -32,7 +32,8 @@ class StaticLoop:
         self._thread.start()
         self._built.wait()
 
-    def submit(self, request: GenerationRequest, key: Hashable, every_token: bool = False) -> None:
+    def submit(self, request: GenerationRequest, key: Hashable, every_token: bool = False, coalesce: bool = False) -> None:
+        """EngineLoop.submit's: a static batch answers once, at its end, so neither flag changes anything."""
         with self._ready:
             self._waiting[key] = request
             self._ready.notify()
