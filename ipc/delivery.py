@@ -12,22 +12,23 @@ a file in /dev/shm of ``SLOTS`` 8-byte words that both map; postprocess writes, 
 ``completion_tokens`` of that generation's latest response it finished. An aligned 8-byte store is one
 instruction on x86-64 and Arm64, so llm never reads half a word; the tag in the high half tells a slot's
 old generation from its new one. Word 0 counts the marks, so llm looks at its held streams only when it
-changed. A stream postprocess never marked (llm called directly, not through the ensemble) is never held.
+changed. Only requests that ask (``coalesce``, which preprocess sets in the ensemble) are ever held: a
+caller of llm alone, whose responses no postprocess marks, gets every token as it comes.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
 import tempfile
 from pathlib import Path
+
+from ipc.cancel import GENERATION_ID
 
 BOARDS = Path(os.environ.get("DELIVERY_DIR") or Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
               / "triton-chat-delivery")
 SLOTS = 1 << 16  # generations a board tells apart at once: far more than llm holds (running and queued)
 WORD = 8
-GENERATION_ID = re.compile(r"^([0-9]{1,10})-([0-9]{1,20})$")
 
 
 def _tag(n: int) -> int:
@@ -41,8 +42,8 @@ def _slot(n: int) -> int:
 class Board:
     """llm's side: its own board, made empty at start and removed at the end (``llm.service.Deliveries``)."""
 
-    def __init__(self, pid: int | None = None) -> None:
-        self.path = BOARDS / str(pid or os.getpid())
+    def __init__(self) -> None:
+        self.path = BOARDS / str(os.getpid())
         BOARDS.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w+b") as f:
             f.truncate(SLOTS * WORD)
@@ -85,10 +86,10 @@ class Marker:
     def mark(self, generation_id: str, tokens: int) -> None:
         """Postprocess finished the response of ``generation_id`` that carried ``tokens`` completion tokens.
         Ids llm could not have made, and boards that are gone, are ignored: a mark is only ever a hint."""
-        match = GENERATION_ID.match(generation_id)
-        if match is None or not 0 <= tokens <= 0xFFFFFFFF:
+        if not GENERATION_ID.match(generation_id) or not 0 <= tokens <= 0xFFFFFFFF:
             return
-        pid, n = match.group(1), int(match.group(2))
+        pid, _, counter = generation_id.partition("-")
+        n = int(counter)
         words = self._boards.get(pid) or self._open(pid)
         if words is not None:
             words[_slot(n)] = _tag(n) << 32 | tokens
