@@ -131,6 +131,12 @@ def cpu_seconds(server_pid: int, frontend_pid: int | None = None) -> dict[str, f
     return out
 
 
+def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], client: float, tokens: int) -> dict[str, float]:
+    """Each process's CPU milliseconds per streamed token between two ``cpu_seconds`` readings, and the
+    client's (``client`` CPU seconds)."""
+    return {**{name: 1e3 * (after[name] - before.get(name, 0.0)) / tokens for name in after}, "client": 1e3 * client / tokens}
+
+
 def standin_repository(target: Path, running: int) -> Path:
     """ensemble_repo with llm's model taken out (bench/standin_model.py), uncompiled (nothing to compile),
     with room for ``running`` streams at once and their prompts beside them in a step."""
@@ -169,8 +175,7 @@ def ceiling(model_dir: Path, concurrency: tuple[int, ...], step_ms: float, out: 
                     run = await load.closed_loop(send, items[c:c + requests(c)], c)
                     after, client = cpu_seconds(server.process.pid, frontend.process.pid), time.process_time() - client
                     tokens = sum(run.tokens)
-                    per_token = {name: 1e3 * (after[name] - before.get(name, 0.0)) / tokens for name in after}
-                    per_token["client"] = 1e3 * client / tokens
+                    per_token = cpu_ms_per_token(before, after, client, tokens)
                     per_token["after the engine"] = sum(per_token.get(name, 0.0) for name in AFTER_ENGINE)
                     points.append({"protocol": protocol, "concurrency": c, "step_ms": step_ms, **load.summary(run),
                                    "cpu_ms_per_token": per_token})
@@ -200,8 +205,7 @@ def served(model_dir: Path, sets: dict, concurrency: tuple[int, ...], stream_int
             after, client = cpu_seconds(server.process.pid), time.process_time() - client
             # The warm-up round ran inside the window too: count its tokens (c replies) with the measured ones.
             tokens = point["output_tokens"] + c * sets["fixed"][0].max_tokens
-            per_token = {name: 1e3 * (after[name] - before.get(name, 0.0)) / tokens for name in after}
-            per_token["client"] = 1e3 * client / tokens
+            per_token = cpu_ms_per_token(before, after, client, tokens)
             points.append({"concurrency": c, "stream_interval": stream_interval, "cpu_ms_per_token": per_token,
                            **{k: point[k] for k in ("tokens_per_s", "ttft_p50_ms", "tokens_per_chunk", "chunk_gap_p50_ms",
                                                     "chunk_gap_p99_ms")}})
