@@ -96,6 +96,19 @@ inline __m512 sums16(__m512* v) {
 #else
 #include "kernels_vec.h"
 #endif
+#if defined(__AMX_BF16__)
+#include "kernels_amx.h"
+#else
+namespace {  // no tiles at this level: linear's tile path is never taken
+constexpr bool kAmx = false;
+constexpr int64_t kAmxPairs = 16;
+inline bool amx_usable() { return false; }
+struct Tiles {
+  explicit Tiles(bool) {}
+};
+inline void amx_slice(const uint32_t*, int64_t, const c10::BFloat16*, int64_t, float*, bool) {}
+}  // namespace
+#endif
 
 namespace {
 
@@ -200,15 +213,26 @@ at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& pack
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(float32 ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return y;
+  // AMX multiplies 16 rows of x at a time (x padded with zero rows to a multiple of 16) by the same packed slices.
+  const bool tiles = kAmx && pairs % kAmxPairs == 0 && amx_usable();
+  const int64_t rows_out = tiles ? (M + kAmxPairs - 1) / kAmxPairs * kAmxPairs : M;
   const void* xp = xs.const_data_ptr();
+  std::vector<uint32_t> padded;  // a plain buffer: an ATen op or two would cost a decode row's product
+  if (tiles && rows_out != M) {
+    padded.resize(rows_out * pairs + 16);  // from a 64-byte boundary: a tile row is one cache line
+    uint32_t* start = padded.data() + (-reinterpret_cast<uintptr_t>(padded.data()) / sizeof(uint32_t)) % 16;
+    std::memcpy(start, xp, M * pairs * sizeof(uint32_t));
+    xp = start;
+  }
   const W* w = packed.const_data_ptr<W>();
   const float* sp = scale ? scale->const_data_ptr<float>() : nullptr;
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
-  const bool widen = int8 && M > kRowsPerPass;
+  const bool widen = int8 && (M > kRowsPerPass || tiles);
   // Each thread takes a contiguous run of groups, so each streams its share of the weights front to back.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(M * kGroup);
+    std::vector<float> out(rows_out * kGroup);
     std::vector<c10::BFloat16> buffer(widen ? kSlice * kGroup * 2 : 0);
+    const Tiles held(tiles);
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t p0 = 0; p0 < pairs; p0 += kSlice) {
         const int64_t p1 = std::min(pairs, p0 + kSlice);
@@ -221,6 +245,12 @@ at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& pack
           }
         } else {
           wb = wp;
+        }
+        if (tiles) {
+          for (int64_t m = 0; m < rows_out; m += kAmxPairs)
+            amx_slice(static_cast<const uint32_t*>(xp) + m * pairs + p0, pairs, wb, p1 - p0,
+                      out.data() + m * kGroup, p0 == 0);
+          continue;
         }
         for (int64_t m = 0; m < M; m += kRowsPerPass) {
           float* om = out.data() + m * kGroup;

@@ -7,9 +7,9 @@ has the measurements); on a CPU without AVX512-BF16 it cannot take bfloat16 weig
 ran in float32, twice the bytes. The kernels read bfloat16, int8 or int4 weights at the sum's rate with
 float32 sums on any x86-64 CPU with AVX2, and are as fast as oneDNN up to prompt-sized steps.
 
-Levels, as llama.cpp builds its CPU variants (``LEVELS``, best first): ``avx512bf16`` (vdpbf16ps),
-``avx512`` (F, BW, DQ, VL) and ``avx2`` (with FMA and F16C), the last two one source that widens the
-weights to float32 in registers. ``load`` takes the best the CPU has, or the one the ``CPU_KERNELS``
+Levels, as llama.cpp builds its CPU variants (``LEVELS``, best first): ``amx`` (AVX512-BF16's loops, and
+AMX tiles for 8 rows of x or more), ``avx512bf16`` (vdpbf16ps), ``avx512`` (F, BW, DQ, VL) and ``avx2``
+(with FMA and F16C), the last two one source that widens the weights to float32 in registers. ``load`` takes the best the CPU has, or the one the ``CPU_KERNELS``
 environment variable names (``auto``, the default; a level: a lower one than the CPU's best forces that
 path, as the tests do for every level the machine runs; or ``none``: oneDNN and torch only). Each level
 is built with its own ``-m`` flags against the installed torch into the compile cache (inductor's
@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "kernels_bf16.h", "kernels_vec.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "kernels_amx.h", "kernels_bf16.h", "kernels_vec.h")]
 SETTING = "CPU_KERNELS"
 # Each level: the /proc/cpuinfo flags it needs, the compiler's flags for them, and what the load log calls it.
 _AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+_BF16 = (("avx2", "fma", "f16c", *_AVX512, "avx512_bf16"), ("-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in _AVX512), "-mavx512bf16"))
 LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
-    "avx512bf16": (("avx2", "fma", "f16c", *_AVX512, "avx512_bf16"),
-                   ("-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in _AVX512), "-mavx512bf16"), "AVX512-BF16"),
+    "amx": ((*_BF16[0], "amx_tile", "amx_bf16"), (*_BF16[1], "-mamx-tile", "-mamx-bf16"), "AMX"),
+    "avx512bf16": (*_BF16, "AVX512-BF16"),
     "avx512": (("avx2", "fma", "f16c", *_AVX512), ("-mavx2", "-mfma", "-mf16c", *(f"-m{f}" for f in _AVX512)),
                "AVX-512"),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "AVX2"),

@@ -222,13 +222,13 @@ def test_a_kernel_setting_that_cannot_run_names_itself_and_what_would(monkeypatc
     setting, the missing flags and the levels that run here; never oneDNN's raw error or an illegal
     instruction."""
     monkeypatch.setenv("CPU_KERNELS", "avx3")
-    with pytest.raises(ValueError, match=r"CPU_KERNELS must be auto, avx512bf16, avx512, avx2 or none, got 'avx3'"):
+    with pytest.raises(ValueError, match=r"CPU_KERNELS must be auto, amx, avx512bf16, avx512, avx2 or none, got 'avx3'"):
         LLM(LLMConfig("unused", compile=False, kv_cache_tokens=64), torch.device("cpu"), head_dim_64_model(), Letters())
     lacking = [name for name in kernels.LEVELS if name not in kernels.runnable()]
     if not lacking:
         pytest.skip("this CPU runs every level")
     monkeypatch.setenv("CPU_KERNELS", lacking[0])
-    with pytest.raises(ValueError, match=rf"CPU_KERNELS={lacking[0]}: this CPU lacks .*avx512.*, which .* needs; "
+    with pytest.raises(ValueError, match=rf"CPU_KERNELS={lacking[0]}: this CPU lacks (avx|amx)[a-z0-9_, ]*, which .* needs; "
                                          rf"set CPU_KERNELS to auto, {' or '.join([*kernels.runnable(), 'none'])}"):
         LLM(LLMConfig("unused", compile=False, kv_cache_tokens=64), torch.device("cpu"), head_dim_64_model(), Letters())
 
