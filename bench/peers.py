@@ -99,12 +99,16 @@ class OpenAIServer:
 GGUF_DTYPES = {"BF16": "bfloat16", "F32": "float32"}
 
 
-def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_slot: int, logs: Path) -> OpenAIServer:
+def llama_server(bin_dir: Path, gguf: Path, dtype: str, slots: int, context_per_slot: int, logs: Path,
+                 repack: bool = True) -> OpenAIServer:
     """llama-server with one slot per concurrent client (continuous batching) and every core, as its
-    README suggests for parallel decoding; its own defaults otherwise (prompt caching on)."""
+    README suggests for parallel decoding; its own defaults otherwise (prompt caching on). ``repack=False``:
+    ``--no-repack``, for a CPU where its repacked paths fail (on an AMX Xeon of 2026-12-07 its AMX path for
+    Q8_0 and Q4_1 died at load with SIGILL or SIGSEGV)."""
     port = free_port()
     cmd = [bin_dir / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", port,
-           "-t", len(os.sched_getaffinity(0)), "-np", slots, "-c", slots * context_per_slot, "-cb", "--no-webui"]
+           "-t", len(os.sched_getaffinity(0)), "-np", slots, "-c", slots * context_per_slot, "-cb", "--no-webui",
+           *([] if repack else ["--no-repack"])]
     out = open(logs / f"llama-server-{dtype}.log", "ab")  # one server per concurrency: their logs one after another
     process = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
     return OpenAIServer(f"llama_server_{dtype.lower()}", GGUF_DTYPES.get(dtype, dtype), f"http://127.0.0.1:{port}", process, gguf.name)

@@ -96,17 +96,40 @@ inline __m512 sums16(__m512* v) {
 #else
 #include "kernels_vec.h"
 #endif
+namespace {
+
+// x's rows as the tiles read them: a step of up to 16 rows as it is (tiles of that many rows: a decode step
+// multiplies only its own rows), more in blocks of 16, the last padded with zero rows into ``padded``.
+struct TileRows {
+  const uint32_t* x;  // bfloat16 pairs, ``pairs`` a row
+  int64_t rows;       // a tile's rows: min(M, 16)
+  int64_t total;      // the rows of x the tiles cover: M, or M rounded up to 16
+  int64_t count;      // M
+  std::vector<uint32_t> padded;
+
+  TileRows(const uint32_t* x_, int64_t M, int64_t pairs) : x(x_), rows(std::min<int64_t>(M, 16)), total(M), count(M) {
+    if (M <= 16 || M % 16 == 0) return;
+    total = (M + 15) / 16 * 16;
+    padded.resize(total * pairs);
+    std::memcpy(padded.data(), x_, M * pairs * sizeof(uint32_t));
+    x = padded.data();
+  }
+};
+
+}  // namespace
+
 #if defined(__AMX_BF16__)
 #include "kernels_amx.h"
 #else
-namespace {  // no tiles at this level: linear's tile path is never taken
+namespace {  // no tiles at this level: the tile paths of linear and int4_linear are never taken
 constexpr bool kAmx = false;
 constexpr int64_t kAmxPairs = 16;
 inline bool amx_usable() { return false; }
 struct Tiles {
-  explicit Tiles(bool) {}
+  Tiles(bool, int64_t) {}
 };
 inline void amx_slice(const uint32_t*, int64_t, const c10::BFloat16*, int64_t, float*, bool) {}
+inline void amx_int4_half(const TileRows&, int64_t, const float*, int64_t, const uint8_t*, const c10::Half*, float*) {}
 }  // namespace
 #endif
 
@@ -213,26 +236,19 @@ at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& pack
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(float32 ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return y;
-  // AMX multiplies 16 rows of x at a time (x padded with zero rows to a multiple of 16) by the same packed slices.
-  const bool tiles = kAmx && pairs % kAmxPairs == 0 && amx_usable();
-  const int64_t rows_out = tiles ? (M + kAmxPairs - 1) / kAmxPairs * kAmxPairs : M;
   const void* xp = xs.const_data_ptr();
-  std::vector<uint32_t> padded;  // a plain buffer: an ATen op or two would cost a decode row's product
-  if (tiles && rows_out != M) {
-    padded.resize(rows_out * pairs + 16);  // from a 64-byte boundary: a tile row is one cache line
-    uint32_t* start = padded.data() + (-reinterpret_cast<uintptr_t>(padded.data()) / sizeof(uint32_t)) % 16;
-    std::memcpy(start, xp, M * pairs * sizeof(uint32_t));
-    xp = start;
-  }
+  // AMX's tiles (kernels_amx.h) take x's bfloat16 pairs in blocks of up to 16 rows, by the same packed slices.
+  const bool tiles = kAmx && pairs % kAmxPairs == 0 && amx_usable();
+  const TileRows tile_x(static_cast<const uint32_t*>(xp), tiles ? M : 0, pairs);
   const W* w = packed.const_data_ptr<W>();
   const float* sp = scale ? scale->const_data_ptr<float>() : nullptr;
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   const bool widen = int8 && (M > kRowsPerPass || tiles);
   // Each thread takes a contiguous run of groups, so each streams its share of the weights front to back.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(rows_out * kGroup);
+    std::vector<float> out((tiles ? tile_x.total : M) * kGroup);
     std::vector<c10::BFloat16> buffer(widen ? kSlice * kGroup * 2 : 0);
-    const Tiles held(tiles);
+    const Tiles held(tiles, tile_x.rows);
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t p0 = 0; p0 < pairs; p0 += kSlice) {
         const int64_t p1 = std::min(pairs, p0 + kSlice);
@@ -247,9 +263,8 @@ at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& pack
           wb = wp;
         }
         if (tiles) {
-          for (int64_t m = 0; m < rows_out; m += kAmxPairs)
-            amx_slice(static_cast<const uint32_t*>(xp) + m * pairs + p0, pairs, wb, p1 - p0,
-                      out.data() + m * kGroup, p0 == 0);
+          for (int64_t m = 0; m < tile_x.total; m += 16)
+            amx_slice(tile_x.x + m * pairs + p0, pairs, wb, p1 - p0, out.data() + m * kGroup, p0 == 0);
           continue;
         }
         for (int64_t m = 0; m < M; m += kRowsPerPass) {
@@ -416,11 +431,21 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
   const uint8_t* nib = nibbles.const_data_ptr<uint8_t>();
   const c10::Half* sc = scales.const_data_ptr<c10::Half>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  // AMX's tiles where the level has them (x in bfloat16 there: level_x).
+  const bool tiles = kAmx && !floats && amx_usable();
+  const TileRows tile_x(rows_of_x.x, tiles ? M : 0, pairs);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(M * kGroup);
+    std::vector<float> out((tiles ? tile_x.total : M) * kGroup);
+    const Tiles held(tiles, tile_x.rows);
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t h = 0; h < 2; ++h)
-        int4_rows(M, rows_of_x, nib + (g * 2 + h) * pairs * 32, sc + (g * 2 + h) * columns * 64, out.data() + 32 * h);
+      for (int64_t h = 0; h < 2; ++h) {
+        const uint8_t* half = nib + (g * 2 + h) * pairs * 32;
+        const c10::Half* half_scales = sc + (g * 2 + h) * columns * 64;
+        if (tiles)
+          amx_int4_half(tile_x, pairs, sp, columns, half, half_scales, out.data() + 32 * h);
+        else
+          int4_rows(M, rows_of_x, half, half_scales, out.data() + 32 * h);
+      }
       store_group(y, g, out.data(), nullptr, bp);
     }
   });
@@ -473,7 +498,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 }  // namespace
 
+// Whether this level's products run on AMX tiles (the AMX level, where Linux lent them): the load log's word.
+bool tiles() { return kAmx && amx_usable(); }
+
 TORCH_LIBRARY(KERNELS_NAMESPACE, m) {
+  m.def("tiles() -> bool");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float32=False) -> Tensor");
@@ -492,3 +521,5 @@ TORCH_LIBRARY_IMPL(KERNELS_NAMESPACE, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("paged_attention", &paged_attention);
 }
+
+TORCH_LIBRARY_IMPL(KERNELS_NAMESPACE, CompositeExplicitAutograd, m) { m.impl("tiles", &tiles); }

@@ -82,6 +82,8 @@ def setting() -> str:
 
 def describe() -> str:
     """The chosen level for the load log: ``our AVX2 kernels``."""
+    if level == "amx" and not ops.tiles():
+        return "our AVX512-BF16 kernels (the AMX level: Linux lent this process no AMX tiles)"
     return f"our {LEVELS[level][2]} kernels" if level else "no kernels of ours"
 
 

@@ -14,7 +14,7 @@ from llm import kernels
 from llm import model as M
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 960, 576), (4, 64, 576), (5, 577, 101), (16, 3072, 576), (1, 5, 31),
+@pytest.mark.parametrize("m, n, k", [(1, 960, 576), (4, 64, 576), (5, 577, 101), (16, 3072, 576), (37, 130, 544), (1, 5, 31),
                                      (300, 200, 600), (0, 64, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("float32", [False, True])
@@ -31,6 +31,13 @@ def test_bf16_linear_is_the_product_summed_in_float32(level, m, n, k, bias, floa
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
     else:
         torch.testing.assert_close(got, expected.bfloat16(), rtol=2**-7, atol=1e-2)
+
+
+def test_the_amx_level_multiplies_on_tiles_and_no_other_does(level):
+    """The AMX level's products run on AMX's tiles (kernels_amx.h), so its tests above prove them; a level
+    below it never takes them. Where Linux lends no tiles the load log says the AVX512-BF16 loops run."""
+    assert kernels.ops.tiles() == (level == "amx")
+    assert kernels.describe() == f"our {kernels.LEVELS[level][2]} kernels"
 
 
 def test_bf16_linear_takes_strided_rows(level):
