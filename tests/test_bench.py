@@ -221,6 +221,21 @@ def test_the_step_profile_times_a_decode_step_and_names_its_kernels(model_dir):
     assert "Self CPU time total" in result.stdout
 
 
+def test_the_linear_paths_table_has_every_level_this_cpu_runs_and_onednn(model_dir):
+    """docs/benchmark.md's per-layer table (AMX against the levels below it and oneDNN) comes from this command:
+    a row per weights, layer and row count, a cell per level the CPU executes, oneDNN last."""
+    from llm import kernels
+
+    result = subprocess.run([sys.executable, "-m", "bench.linear_paths", "--rows", "1", "17", "--weights", "bf16", "int4",
+                             "--repeats", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if re.match(r"^\| (bf16|int4) \|", line)]
+    assert len(rows) == 2 * 5 * 2, result.stdout  # weights x the model's five products x row counts
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| weights"))
+    assert header.count("ours `") == len(kernels.runnable()) and header.endswith("| oneDNN (bf16) |")
+    assert all(len(re.findall(r"\| [\d.]+ ", row)) == len(kernels.runnable()) + 2 for row in rows), rows  # rows, then times
+
+
 def test_serving_costs_count_a_servers_cpu_seconds():
     """bench.serving's accounting: a process that spins for 0.3 s of CPU is counted as the server
     (its stubs are found and named by model by ipc/stubs.py, which test_server_faults.py uses on a real server)."""
