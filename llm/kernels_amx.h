@@ -77,14 +77,11 @@ inline void amx_slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* wb, i
 }
 
 // int4: one half of a group (32 output rows) for every row of x. Per 32-column block, its nibbles widened
-// exactly to bfloat16 (kernels_bf16.h's table) into two tiles of 16 rows, the tiles' sums of x . q, then,
+// exactly to bfloat16 (kernels_bf16.h's kNibbles) into two tiles of 16 rows, the tiles' sums of x . q, then,
 // in registers as the other levels, out += sums x d + (x's block sum) x m (Q4_1's w = d q + m).
 inline void amx_int4_half(const TileRows& x, int64_t pairs, const float* xsum, int64_t columns, const uint8_t* nibbles,
                           const c10::Half* scales, float* out) {
-  alignas(64) static const uint16_t kTable[32] = {  // bfloat16 of i % 16
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  const __m512i table = _mm512_load_si512(kTable);
+  const __m512i table = _mm512_load_si512(kNibbles);
   const auto half16 = [](const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
   alignas(64) c10::BFloat16 low[kAmxPairs * 32], high[kAmxPairs * 32];  // rows 0-15 and 16-31 of the half
   alignas(64) float sums[2][16 * 16];
