@@ -16,7 +16,8 @@ is built with its own ``-m`` flags against the installed torch into the compile 
 ``TORCHINDUCTOR_CACHE_DIR``), under
 a name that covers the sources, the level, the torch version and the CPU's flags, so a restart loads it
 in milliseconds; its ops live under a namespace of its own (``torch.ops.triton_chat_avx2``, ...), so one
-process can hold several. Where none runs (a CPU without AVX2, an Arm one, a failed build), ``load`` says
+process can hold several. Under ``auto`` a level that fails to build gives way to the next one down (the
+load log says why); where none runs (a CPU without AVX2, an Arm one, no level that builds), ``load`` says
 why and the model runs on oneDNN and torch as before.
 """
 
@@ -50,6 +51,7 @@ _lock = threading.Lock()
 _loaded: set[str] = set()  # the levels whose ops this process holds
 ops = None  # the chosen level's ``torch.ops`` namespace, once ``load`` found one; what traced code reads
 level: str | None = None  # its name
+passed_over: str | None = None  # why ``auto`` took a lower level than the CPU's best (its build failed)
 
 
 @lru_cache(maxsize=1)
@@ -84,7 +86,9 @@ def describe() -> str:
     """The chosen level for the load log: ``our AVX2 kernels``."""
     if level == "amx" and not ops.tiles():
         return "our AVX512-BF16 kernels (the AMX level: Linux lent this process no AMX tiles)"
-    return f"our {LEVELS[level][2]} kernels" if level else "no kernels of ours"
+    if not level:
+        return "no kernels of ours"
+    return f"our {LEVELS[level][2]} kernels" + (f" ({passed_over})" if passed_over else "")
 
 
 def _command(source: Path, target: Path, name: str) -> list[str]:
@@ -153,36 +157,38 @@ def load() -> str | None:
     """Choose the level (``CPU_KERNELS``, else the best this CPU runs) and build it: None when ``ops`` is
     ready, else why not (the model then runs on oneDNN and torch). A level forced past what the CPU runs is
     a ValueError naming the setting, the missing flags and what would work: never executed."""
-    global ops, level
+    global ops, level, passed_over
     wanted, found = setting(), runnable()
     if wanted not in ("auto", "none", *found):
         raise ValueError(f"{SETTING}={wanted}: this CPU lacks {_lacking(wanted)}, "
                          f"which {LEVELS[wanted][2]} needs; set {SETTING} to auto, {' or '.join([*found, 'none'])}")
-    ops, level = None, None
+    ops, level, passed_over = None, None, None
     if wanted == "none":
         return f"{SETTING}=none"
     if not found:
         return "this CPU has no AVX2 with FMA and F16C (our kernels' lowest level)"
-    chosen = found[0] if wanted == "auto" else wanted
-    why = build(chosen)
-    if why is None:
-        ops, level = getattr(torch.ops, f"triton_chat_{chosen}"), chosen
-    return why
+    failures = []  # auto goes down the levels past one that fails to build (a compiler without -mamx-tile)
+    for chosen in found if wanted == "auto" else [wanted]:
+        if (why := build(chosen)) is None:
+            ops, level, passed_over = getattr(torch.ops, f"triton_chat_{chosen}"), chosen, "; ".join(failures) or None
+            return None
+        failures.append(why)
+    return "; ".join(failures)
 
 
 @contextlib.contextmanager
 def using(name: str | None) -> Iterator[None]:
     """Level ``name`` (None: no kernels) for what is built inside, as ``CPU_KERNELS`` would choose it: for tests
     that run every level the CPU executes in one process."""
-    global ops, level
-    before, saved = (ops, level), os.environ.get(SETTING)
+    global ops, level, passed_over
+    before, saved = (ops, level, passed_over), os.environ.get(SETTING)
     try:
         os.environ[SETTING] = name or "none"
         if (why := load()) is not None and name is not None:
             raise RuntimeError(why)
         yield
     finally:
-        ops, level = before
+        ops, level, passed_over = before
         if saved is None:
             os.environ.pop(SETTING, None)
         else:

@@ -233,6 +233,30 @@ def test_a_kernel_setting_that_cannot_run_names_itself_and_what_would(monkeypatc
         LLM(LLMConfig("unused", compile=False, kv_cache_tokens=64), torch.device("cpu"), head_dim_64_model(), Letters())
 
 
+def test_auto_takes_the_next_level_when_the_best_fails_to_build_and_says_why(monkeypatch, tmp_path):
+    """A compiler that cannot build the CPU's best level (an old g++ without -mamx-tile on an AMX Xeon): ``auto``
+    loads the next level down, and the load log names both."""
+    found = kernels.runnable()
+    if len(found) < 2:
+        pytest.skip("this CPU runs one level or none")
+    real = kernels._command
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CPU_KERNELS", "auto")
+    monkeypatch.setattr(kernels, "_command", lambda source, target, name: (
+        ["g++", "--no-such-flag", str(source)] if name == found[0] else real(source, target, name)))
+    # as in a process that has not loaded the best level (a level's ops register once a process: the next one
+    # down, if loaded already, is taken as it is)
+    monkeypatch.setattr(kernels, "_loaded", kernels._loaded - {found[0]})
+    kernels.build.cache_clear()
+    try:
+        llm = LLM(LLMConfig("unused", compile=False, kv_cache_tokens=208), torch.device("cpu"), head_dim_64_model(), Letters())
+        assert llm.kernels.startswith(f"our {kernels.LEVELS[found[1]][2]} kernels (building kernels.cpp for "
+                                      f"{kernels.LEVELS[found[0]][2]} failed: "), llm.kernels
+        assert "no-such-flag" in llm.kernels and kernels.level == found[1]
+    finally:
+        kernels.build.cache_clear()  # the next build finds the real one in its own cache
+
+
 def test_a_failed_build_or_a_cpu_without_avx2_falls_back_to_onednn_saying_why(monkeypatch, tmp_path):
     """No level to run (an Arm CPU, or x86 without AVX2), or a compiler that fails: the model loads on
     oneDNN and torch in float32 under ``dtype: auto``, the load log says why, and it decodes."""
