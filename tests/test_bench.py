@@ -205,9 +205,10 @@ def test_gpu_check_rehearsed_on_the_cpu_runs_every_phase_and_finds_no_compile_af
 
 def test_gpu_check_fails_naming_the_phase_when_a_first_token_is_late(tmp_path, model_dir):
     result, report = gpu_check(tmp_path, "--first-token-limit", "0.001")
-    assert result.returncode == 1
+    said = result.stdout[-3000:] + result.stderr[-3000:]  # what the check printed, should it fail another way
+    assert result.returncode == 1, said
     assert report["failures"] == ["phase 'one request': a request's first token took more than 0.001 s after ready "
-                                  "(the server log says what llm was doing)"]
+                                  "(the server log says what llm was doing)"], said
     assert "FAIL: phase 'one request'" in result.stdout and report["engine"] == {}
 
 
