@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench.__main__ import machine
 from launcher.model_folder import prepare_default_model
 from llm import kernels, quant
 
@@ -62,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args(argv)
     config = json.loads((prepare_default_model() / "config.json").read_text())
-    levels = kernels.runnable()
-    flags = sorted(kernels.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-    print(f"{torch.get_num_threads()} threads, CPU flags {', '.join(flags)}; microseconds a call, bfloat16 x")
+    levels, cpu = kernels.runnable(), machine()
+    print(f"{cpu['cpu']} ({', '.join(cpu['cpu_features'])}), {torch.get_num_threads()} threads; "
+          "microseconds a call, bfloat16 x")
     print("| weights | layer (out x in) | rows | " + " | ".join(f"ours `{name}`" for name in levels) + " | oneDNN (bf16) |")
     print("|---|---|---|" + "---|" * (len(levels) + 1))
     torch.manual_seed(0)

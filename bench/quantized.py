@@ -86,28 +86,32 @@ def run(sets: dict, ids: dict, model_dir: Path, concurrency: tuple[int, ...], bf
         finally:
             server.stop()
     bin_dir = peers.build_llama_cpp(out)
+
+    def sweep_llama(file: Path, kind: str, slots: int, repack: bool) -> bool:
+        """llama-server's points on ``file`` with ``slots``, and a note either way; False when it died by a signal."""
+        server = peers.llama_server(bin_dir, file, kind, slots, context, out, repack)
+        said = f"{slots} slots{'' if repack else ', --no-repack'}"
+        try:
+            server.wait_ready(300)
+            found, check = asyncio.run(sweep_peer(server, fixed, FULL, ids, (slots,)))
+            points.extend(found)
+            notes.append({"system": server.name, "status": f"ran with {said}; prompt tokens agree: {check['agree']}"})
+        except Exception as e:  # a peer that fails is reported, never hidden
+            notes.append({"system": server.name, "status": f"failed with {said}: {e}"})
+            return (server.process.poll() or 0) >= 0
+        finally:
+            server.stop()
+        return True
+
     for _, kind in pairs:
         file = llama_file(bin_dir, kind, out)
         limits[kind] = limit(kind, gguf_weight_bytes(file))
         repack = True
         for slots in concurrency:  # one server per concurrency, a slot per client (as make bench runs it)
-            while True:
-                server = peers.llama_server(bin_dir, file, kind, slots, context, out, repack)
-                try:
-                    server.wait_ready(300)
-                    found, check = asyncio.run(sweep_peer(server, fixed, FULL, ids, (slots,)))
-                    points += found
-                    flag = "" if repack else ", --no-repack"
-                    notes.append({"system": server.name, "status": f"ran with {slots} slots{flag}; prompt tokens agree: {check['agree']}"})
-                except Exception as e:  # a peer that fails is reported, never hidden
-                    notes.append({"system": server.name, "status": f"failed with {slots} slots{'' if repack else ', --no-repack'}: {e}"})
-                    # killed by a signal in its repacked (AMX, AVX-512) path: again without it, said in the notes
-                    if repack and (server.process.poll() or 0) < 0:
-                        repack = False
-                        continue
-                finally:
-                    server.stop()
-                break
+            if not sweep_llama(file, kind, slots, repack) and repack:
+                # killed by a signal in its repacked (AMX, AVX-512) path: again without it, said in the notes
+                repack = False
+                sweep_llama(file, kind, slots, repack)
     return points, limits, notes
 
 

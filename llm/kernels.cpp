@@ -122,7 +122,6 @@ struct TileRows {
 #include "kernels_amx.h"
 #else
 namespace {  // no tiles at this level: the tile paths of linear and int4_linear are never taken
-constexpr bool kAmx = false;
 constexpr int64_t kAmxPairs = 16;
 inline bool amx_usable() { return false; }
 struct Tiles {
@@ -238,7 +237,7 @@ at::Tensor linear(const char* name, const at::Tensor& x_, const at::Tensor& pack
   if (M == 0 || N == 0) return y;
   const void* xp = xs.const_data_ptr();
   // AMX's tiles (kernels_amx.h) take x's bfloat16 pairs in blocks of up to 16 rows, by the same packed slices.
-  const bool tiles = kAmx && pairs % kAmxPairs == 0 && amx_usable();
+  const bool tiles = pairs % kAmxPairs == 0 && amx_usable();
   const TileRows tile_x(static_cast<const uint32_t*>(xp), tiles ? M : 0, pairs);
   const W* w = packed.const_data_ptr<W>();
   const float* sp = scale ? scale->const_data_ptr<float>() : nullptr;
@@ -432,7 +431,7 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& nibbles, const at
   const c10::Half* sc = scales.const_data_ptr<c10::Half>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   // AMX's tiles where the level has them (x in bfloat16 there: level_x).
-  const bool tiles = kAmx && !floats && amx_usable();
+  const bool tiles = !floats && amx_usable();
   const TileRows tile_x(rows_of_x.x, tiles ? M : 0, pairs);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out((tiles ? tile_x.total : M) * kGroup);
@@ -499,7 +498,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }  // namespace
 
 // Whether this level's products run on AMX tiles (the AMX level, where Linux lent them): the load log's word.
-bool tiles() { return kAmx && amx_usable(); }
+bool tiles() { return amx_usable(); }
 
 TORCH_LIBRARY(KERNELS_NAMESPACE, m) {
   m.def("tiles() -> bool");

@@ -7,8 +7,8 @@ has the measurements); on a CPU without AVX512-BF16 it cannot take bfloat16 weig
 ran in float32, twice the bytes. The kernels read bfloat16, int8 or int4 weights at the sum's rate with
 float32 sums on any x86-64 CPU with AVX2, and are as fast as oneDNN up to prompt-sized steps.
 
-Levels, as llama.cpp builds its CPU variants (``LEVELS``, best first): ``amx`` (AVX512-BF16's loops, and
-AMX tiles for 8 rows of x or more), ``avx512bf16`` (vdpbf16ps), ``avx512`` (F, BW, DQ, VL) and ``avx2``
+Levels, as llama.cpp builds its CPU variants (``LEVELS``, best first): ``amx`` (AMX tiles for every row count, on
+AVX512-BF16's other loops), ``avx512bf16`` (vdpbf16ps), ``avx512`` (F, BW, DQ, VL) and ``avx2``
 (with FMA and F16C), the last two one source that widens the weights to float32 in registers. ``load`` takes the best the CPU has, or the one the ``CPU_KERNELS``
 environment variable names (``auto``, the default; a level: a lower one than the CPU's best forces that
 path, as the tests do for every level the machine runs; or ``none``: oneDNN and torch only). Each level

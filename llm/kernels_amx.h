@@ -10,7 +10,6 @@
 
 namespace {
 
-constexpr bool kAmx = true;
 constexpr int64_t kAmxPairs = 16;  // a tile's depth: 16 pairs of columns (32 bfloat16) of x and of the weights
 
 // Linux lends a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA,
@@ -82,7 +81,6 @@ inline void amx_slice(const uint32_t* x, int64_t ldx, const c10::BFloat16* wb, i
 inline void amx_int4_half(const TileRows& x, int64_t pairs, const float* xsum, int64_t columns, const uint8_t* nibbles,
                           const c10::Half* scales, float* out) {
   const __m512i table = _mm512_load_si512(kNibbles);
-  const auto half16 = [](const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
   alignas(64) c10::BFloat16 low[kAmxPairs * 32], high[kAmxPairs * 32];  // rows 0-15 and 16-31 of the half
   alignas(64) float sums[2][16 * 16];
   for (int64_t c = 0; c < columns; ++c, scales += 64) {

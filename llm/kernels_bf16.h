@@ -53,6 +53,9 @@ alignas(64) constexpr uint16_t kNibbles[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
+// 16 float16 (int4's d or m of 16 rows) as float32.
+inline __m512 half16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 // One int4 pair's 32 bytes, widened to 16-bit lanes, hold in their low and high nibbles two vectors of 16
 // rows x a pair of columns; a 32-entry table (vpermw, which reads an index's low 5 bits) turns each into
 // bfloat16, exactly.
@@ -60,7 +63,6 @@ template <int MR>
 inline void int4_half(const uint32_t* x, int64_t ldx, const float* xsum, int64_t ldsum, const uint8_t* nibbles,
                       const c10::Half* scales, int64_t pairs, float* out) {
   const __m512i table = _mm512_load_si512(kNibbles);
-  const auto half16 = [](const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t c = 0, p = 0; p < pairs; ++c, scales += 64) {
