@@ -16,6 +16,7 @@ run (kernel specialisation, autotuning) is done before the first request.
 from __future__ import annotations
 
 import locale
+import types
 from typing import Callable
 
 import torch
@@ -26,6 +27,31 @@ from llm.sampling import token_logprobs
 from llm.scheduler import Step
 from llm.sequence import TokenLogprobs
 from llm.shapes import MIN_SIZE, Shape, Shapes
+
+
+def unchanged_after_load(guards) -> list[bool]:
+    """Dynamo's guards worth checking each step: those on the step's inputs, global state and sizes.
+    The ~2,500 on the decoder itself (its modules' types, hooks, constants, each weight's and cache's
+    dtype and shape) took 0.5-1 ms of a 19 ms decode step at one row on 2 cores (bench.step_profile);
+    nothing changes them once the decoder is loaded, and each decoder has graphs of its own
+    (``own_code``), so a graph never meets another decoder's modules."""
+    return [not g.name.startswith("self") for g in guards]
+
+
+# Inductor's Python wrapper checks every tensor's size, stride and alignment as it passes: ~300 checks a
+# step (0.3-0.5 ms at one row on 2 cores) of what our own operators and the decoder fix at load.
+STEP_OPTIONS = {"guard_filter_fn": unchanged_after_load, "size_asserts": False, "alignment_asserts": False}
+
+
+def own_code(method: Callable) -> Callable:
+    """``method`` of one decoder, as a function with a code object of its own. Dynamo keeps its graphs
+    per code object: without this, every decoder of a process (tests build many, in several dtypes
+    and weight formats) would share ``Decoder.decode``'s graphs, chosen between by the guards on the
+    decoder that ``unchanged_after_load`` leaves out."""
+    function = method.__func__
+    code = function.__code__.replace(co_name=f"{function.__name__}_{id(method.__self__):x}")
+    own = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+    return types.MethodType(own, method.__self__)
 
 
 class ModelRunner:
@@ -53,8 +79,8 @@ class ModelRunner:
             # about 1 ms a decode step on 2 cores (bench.step_profile, 1 row), but compiling it is one more
             # monolithic g++ run per graph: a cold start of the int8 graphs on an AVX2 EPYC took over 600 s
             # with it and 330 s without (2026-12-07). GPUs replay captured CUDA graphs, with no wrapper a step.
-            self._decode = torch.compile(decoder.decode)
-            self._mixed = torch.compile(decoder.mixed)
+            self._decode = torch.compile(own_code(decoder.decode), options=STEP_OPTIONS)
+            self._mixed = torch.compile(own_code(decoder.mixed), options=STEP_OPTIONS)
             self.warm_up(progress)
 
     @property

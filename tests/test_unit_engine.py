@@ -143,6 +143,21 @@ def test_the_compiled_forward_pass_gives_the_eager_tokens(model):
     assert replies[True] == replies[False] == one_by_one(model, llm, requests)
 
 
+def test_each_compiled_decoder_of_a_process_runs_graphs_of_its_own(model):
+    """The guards on a decoder's own modules and weights are not checked each step (llm.runner): two
+    decoders of other shapes in one process (a server loads one, tests many) must still never share a
+    graph, or the second would run the first's layers."""
+    torch.manual_seed(1)
+    deeper = LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
+    ))
+    for each in (model, deeper):
+        llm = tiny(each, compile=True)
+        requests = [llm.validate(ids, 12) for ids in PROMPTS]
+        assert [s.output_ids for s in run(llm.engine(), [Sequence(r) for r in requests])] == one_by_one(each, llm, requests)
+
+
 def sweep(llm: LLM, engine) -> tuple[list[Sequence], list]:
     """Traffic that reaches every limit of ``llm``'s config: 1 to max_running_requests rows joining and
     leaving, prompts from 1 token to the longest allowed, contexts up to the request limit, greedy and
