@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import locale
 import types
-from typing import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,8 +29,11 @@ from llm.scheduler import Step
 from llm.sequence import TokenLogprobs
 from llm.shapes import MIN_SIZE, Shape, Shapes
 
+if TYPE_CHECKING:
+    from torch._dynamo.types import GuardFilterEntry
 
-def unchanged_after_load(guards) -> list[bool]:
+
+def unchanged_after_load(guards: Sequence[GuardFilterEntry]) -> list[bool]:
     """Dynamo's guards worth checking each step: those on the step's inputs, global state and sizes.
     The ~2,500 on the decoder itself (its modules' types, hooks, constants, each weight's and cache's
     dtype and shape) took 0.5-1 ms of a 19 ms decode step at one row on 2 cores (bench.step_profile);
@@ -76,7 +80,7 @@ class ModelRunner:
             # equal for good (rows and columns, say).
             torch.fx.experimental._config.use_duck_shape = False
             # Inductor's Python wrapper calls the step's ~300 kernels and operators. Its C++ wrapper saved
-            # about 1 ms a decode step on 2 cores (bench.step_profile, 1 row), but compiling it is one more
+            # 1-2.3 ms a decode step on 2 cores (bench.step_profile, 1 row), but compiling it is one more
             # monolithic g++ run per graph: a cold start of the int8 graphs on an AVX2 EPYC took over 600 s
             # with it and 330 s without (2026-12-07). GPUs replay captured CUDA graphs, with no wrapper a step.
             self._decode = torch.compile(own_code(decoder.decode), options=STEP_OPTIONS)
