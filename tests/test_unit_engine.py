@@ -34,14 +34,17 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
 BUDGET = 208  # KV slots: 13 blocks
 
 
+def random_llama(seed: int = 0, **sizes: int) -> LlamaForCausalLM:
+    """A tiny Llama of random weights (``seed``), without an end token; ``sizes`` override its config's."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(LlamaConfig(**config | sizes, eos_token_id=None, pad_token_id=0))
+
+
 @pytest.fixture
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config)
+    model = random_llama()
     model.generation_config.eos_token_id = None
     return model
 
@@ -147,11 +150,7 @@ def test_each_compiled_decoder_of_a_process_runs_graphs_of_its_own(model):
     """The guards on a decoder's own modules and weights are not checked each step (llm.runner): two
     decoders of other shapes in one process (a server loads one, tests many) must still never share a
     graph, or the second would run the first's layers."""
-    torch.manual_seed(1)
-    deeper = LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, pad_token_id=0,
-    ))
+    deeper = random_llama(1, hidden_size=64, intermediate_size=96, num_hidden_layers=3)
     for each in (model, deeper):
         llm = tiny(each, compile=True)
         requests = [llm.validate(ids, 12) for ids in PROMPTS]
@@ -189,10 +188,7 @@ def sweep(llm: LLM, engine) -> tuple[list[Sequence], list]:
 
 @pytest.fixture(scope="module")
 def sweep_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, pad_token_id=0)
-    return LlamaForCausalLM(config)
+    return random_llama(max_position_embeddings=256)
 
 
 SWEEP_CONFIG = {"kv_cache_tokens": 2048, "max_tokens_limit": 64, "max_running_requests": 8, "max_batched_tokens": 32}
